@@ -1,0 +1,166 @@
+"""The one place that talks to dp_accounting: budgets, epsilon of a run's DpEvent, calibration.
+
+Accountants: 'pld' (default; privacy loss distributions, tight) and 'rdp' (Renyi DP, looser).
+Both are dp_accounting's own; nothing here re-derives a privacy bound, with one documented
+reduction: RDP has no event for truncated Poisson sampling, so for RDP a truncated-Poisson step is
+accounted as an exact Poisson step and the probability that truncation ever happens is charged to
+delta (see :func:`_rdp_view`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.metadata
+import math
+from typing import Callable
+
+import dp_accounting
+import gin
+import scipy.stats
+from dp_accounting import dp_event
+from dp_accounting.pld import pld_privacy_accountant
+from dp_accounting.rdp import rdp_privacy_accountant
+
+ACCOUNTANTS = ("pld", "rdp")
+# Calibration searches sigma in this interval; a target that needs more noise is unattainable.
+SIGMA_BRACKET = (0.05, 512.0)
+SIGMA_TOLERANCE = 1e-5
+
+
+class BudgetError(ValueError):
+    """A privacy budget or sampling setting that cannot be used; the message says what to change."""
+
+
+@gin.configurable("budget")
+@dataclasses.dataclass(frozen=True)
+class Budget:
+    """The run's target (epsilon, delta) and the accountant that must certify it."""
+
+    epsilon: float = gin.REQUIRED
+    delta: float = gin.REQUIRED
+    accountant: str = "pld"
+    pld_discretization: float = 1e-3
+
+    def validate(self, dataset_size: int) -> None:
+        """Raises BudgetError unless 0 < epsilon < inf, 0 < delta < 1/N and the accountant exists."""
+        eps, delta = self.epsilon, self.delta
+        if not isinstance(eps, (int, float)) or not math.isfinite(eps) or eps <= 0:
+            raise BudgetError(f"budget.epsilon must be a finite number > 0, got {eps!r}; "
+                              "set e.g. --gin_bindings='EPSILON = 3.0'")
+        if not isinstance(delta, (int, float)) or not 0 < delta < 1.0 / dataset_size:
+            raise BudgetError(
+                f"budget.delta must lie in (0, 1/N) = (0, {1.0 / dataset_size:.3g}) for the "
+                f"N = {dataset_size} private training examples, got {delta!r}; "
+                "set e.g. --gin_bindings='DELTA = 1e-5'")
+        if self.accountant not in ACCOUNTANTS:
+            raise BudgetError(f"budget.accountant must be one of {ACCOUNTANTS}, "
+                              f"got {self.accountant!r}")
+        if not 0 < self.pld_discretization <= 0.1:
+            raise BudgetError(f"budget.pld_discretization must lie in (0, 0.1], "
+                              f"got {self.pld_discretization!r}")
+
+
+def accountant_version() -> str:
+    return f"dp-accounting {importlib.metadata.version('dp-accounting')}"
+
+
+def make_accountant(budget: Budget) -> dp_accounting.PrivacyAccountant:
+    if budget.accountant == "pld":
+        return pld_privacy_accountant.PLDAccountant(
+            value_discretization_interval=budget.pld_discretization)
+    if budget.accountant == "rdp":
+        return rdp_privacy_accountant.RdpAccountant()
+    raise BudgetError(f"budget.accountant must be one of {ACCOUNTANTS}, got {budget.accountant!r}")
+
+
+def _rdp_view(event: dp_event.DpEvent) -> tuple[dp_event.DpEvent, float]:
+    """Returns (event with truncated-Poisson Gaussians replaced by Poisson ones, P[any truncation]).
+
+    Truncated and plain Poisson sampling coincide unless some step's Poisson draw exceeds the
+    truncation size, so on every dataset the two mechanisms are within total variation
+    ``p = sum over steps of P[overflow]``. If the Poisson run is (eps, delta)-DP, the truncated one
+    is (eps, delta + (1 + e^eps) p)-DP. The overflow probability is taken at N + 1 examples,
+    which bounds it for both neighbours.
+    """
+    if isinstance(event, dp_event.TruncatedSubsampledGaussianDpEvent):
+        overflow = scipy.stats.binom.sf(event.truncated_batch_size, event.dataset_size + 1,
+                                        event.sampling_probability)
+        return (dp_event.PoissonSampledDpEvent(event.sampling_probability,
+                                               dp_event.GaussianDpEvent(event.noise_multiplier)),
+                float(overflow))
+    if isinstance(event, dp_event.SelfComposedDpEvent):
+        inner, overflow = _rdp_view(event.event)
+        return dp_event.SelfComposedDpEvent(inner, event.count), overflow * event.count
+    if isinstance(event, dp_event.ComposedDpEvent):
+        parts = [_rdp_view(e) for e in event.events]
+        return dp_event.ComposedDpEvent([p[0] for p in parts]), sum(p[1] for p in parts)
+    return event, 0.0
+
+
+def epsilon_of(event: dp_event.DpEvent, budget: Budget, delta: float | None = None) -> float:
+    """The accountant's epsilon for ``event`` at ``delta`` (default: the budget's delta)."""
+    delta = budget.delta if delta is None else delta
+    accountant = make_accountant(budget)
+    if budget.accountant == "rdp":
+        event, overflow = _rdp_view(event)
+        # (1 + e^eps) * overflow must come out of delta; eps is at most the target here (the run
+        # stops at its target), so e^target bounds it.
+        delta = delta - (1.0 + math.exp(budget.epsilon)) * overflow
+        if delta <= 0:
+            raise BudgetError(
+                "with accountant 'rdp' the chance that a truncated Poisson batch overflows uses "
+                "up all of delta; raise sampler.overflow_stddevs or use budget.accountant='pld'")
+    accountant.compose(event)
+    return float(accountant.get_epsilon(delta))
+
+
+def _bracket(epsilon_at: Callable[[float], float], target: float) -> tuple[float, float]:
+    """An interval [lo, hi] with epsilon(lo) > target >= epsilon(hi), found by doubling from 1.
+
+    Small sigmas make the PLD very wide and slow, so the search walks outwards from sigma = 1
+    instead of starting at the interval's ends.
+    """
+    lo_limit, hi_limit = SIGMA_BRACKET
+    hi = 1.0
+    while epsilon_at(hi) > target:
+        if hi >= hi_limit:
+            raise BudgetError(
+                f"target epsilon {target} is unattainable: even noise multiplier {hi_limit} "
+                f"gives epsilon {epsilon_at(hi_limit):.4g}; raise budget.epsilon, or lower the "
+                "number of steps (train.epochs) or the sampling rate (train.batch_size)")
+        hi = min(2 * hi, hi_limit)
+    lo = hi / 2
+    while epsilon_at(lo) <= target:
+        if lo <= lo_limit:
+            return lo, lo  # meets the target even at the smallest sigma searched
+        hi, lo = lo, max(lo / 2, lo_limit)
+    return lo, hi
+
+
+def calibrate_noise_multiplier(make_event: Callable[[float], dp_event.DpEvent],
+                               budget: Budget) -> float:
+    """The smallest sigma (to SIGMA_TOLERANCE) whose event meets (budget.epsilon, budget.delta).
+
+    Uses ``dp_accounting.calibrate_dp_mechanism`` on a bracket found by doubling; the result is
+    re-checked: the accountant's epsilon at the returned sigma is <= the target (never
+    overshoots). Raises BudgetError when even sigma = SIGMA_BRACKET[1] cannot meet the target.
+    """
+    epsilon_at = lambda sigma: epsilon_of(make_event(sigma), budget)  # noqa: E731
+    lo, hi = _bracket(epsilon_at, budget.epsilon)
+    if lo == hi:
+        sigma = hi
+    elif budget.accountant == "rdp":
+        # calibrate_dp_mechanism drives a fresh accountant itself; for RDP the truncation
+        # reduction lives in epsilon_of, so root-find on it directly by bisection.
+        while hi - lo > SIGMA_TOLERANCE:
+            mid = 0.5 * (lo + hi)
+            lo, hi = (lo, mid) if epsilon_at(mid) <= budget.epsilon else (mid, hi)
+        sigma = hi
+    else:
+        sigma = dp_accounting.calibrate_dp_mechanism(
+            lambda: make_accountant(budget), make_event, budget.epsilon, budget.delta,
+            bracket_interval=dp_accounting.ExplicitBracketInterval(lo, hi),
+            tol=SIGMA_TOLERANCE)
+    if epsilon_at(sigma) > budget.epsilon:  # must never happen; a guard, not a fallback
+        raise AssertionError(f"calibration overshot the target epsilon at sigma={sigma}")
+    return float(sigma)

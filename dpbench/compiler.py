@@ -1,0 +1,333 @@
+"""The compiler: (pipeline, model, sampler, budget, mesh) -> one jitted, sharded, accounted step.
+
+1. :func:`validate_pipeline` checks the chain of stage kinds and privacy rules and raises
+   :class:`PipelineError` naming the offending stage and the broken rule.
+2. It derives the sensitivity of the released sum from the clip bound and Lipschitz factors.
+3. It builds the run's DpEvent from the sampler (the same object the data loader uses) and the
+   mechanism stages, and calibrates the one noise multiplier to the target (epsilon, delta).
+4. It lowers the step: step key = fold_in(run key, step); per-example stages under vmap inside a
+   lax.scan over micro-batches (empty micro-batches skipped); masked sum; aggregate stages; the
+   Gaussian release; post-processing; division by the EXPECTED batch size; optimizer; EMA.
+5. It checks shapes with jax.eval_shape, then jits with shardings on the mesh and donated state.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Callable, NamedTuple, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import optax
+from dp_accounting import dp_event
+from jax.sharding import Mesh
+
+from dpbench import accounting, sharding
+from dpbench.stages.base import PRIVATE_KINDS, Kind, Stage, StageInfo, StepContext
+
+
+class PipelineError(ValueError):
+    """A pipeline that breaks a privacy or typing rule; the message names the stage and rule."""
+
+
+class TrainState(NamedTuple):
+    params: Any
+    stage_states: tuple
+    ema_params: Any
+    step: jax.Array   # int32 scalar: number of steps taken (empty batches count)
+    key: jax.Array    # the run's base key; step keys are fold_in(key, step), never reused
+
+
+@dataclasses.dataclass(frozen=True)
+class ValidatedPipeline:
+    stages: tuple
+    clip_index: int
+    release_indices: tuple
+    sensitivity: float
+
+
+def _describe(i: int, stage: Stage) -> str:
+    return f"stage #{i} '{stage.name}'"
+
+
+def validate_pipeline(stages: Sequence[Stage]) -> ValidatedPipeline:
+    """Checks that private values reach the optimizer only through a declared, accounted release.
+
+    Rules: the first stage consumes EXAMPLE; each stage consumes what the previous produced (the
+    compiler itself sums BOUNDED into AGGREGATE, and divides by the expected batch size before
+    the optimizer); exactly
+    one clip (PER_EXAMPLE -> BOUNDED, declared l2_bound); BOUNDED/AGGREGATE transforms declare a
+    Lipschitz factor; stages that read the aggregate without releasing it declare a DP cost; at
+    least one Gaussian release; the last stage produces UPDATES.
+    """
+    stages = tuple(stages)
+    if not stages:
+        raise PipelineError("the pipeline has no stages; set STAGES = [@grad.per_example(), "
+                            "@clip.global_l2(), @noise.gaussian(), @optimize.optax()]")
+    for i, stage in enumerate(stages):
+        if not isinstance(stage, Stage):
+            raise PipelineError(f"stage #{i} is {stage!r}, not a Stage; write it as "
+                                "@module.name() in STAGES (with the parentheses)")
+    if stages[0].kind_in != Kind.EXAMPLE:
+        raise PipelineError(f"{_describe(0, stages[0])} consumes {stages[0].kind_in.value}, but "
+                            "a pipeline must start with a per-example gradient stage "
+                            "(@grad.per_example())")
+    current = Kind.EXAMPLE
+    clip_index = None
+    releases = []
+    sensitivity = None
+    for i, stage in enumerate(stages):
+        where = _describe(i, stage)
+        wanted = stage.kind_in
+        if current == Kind.BOUNDED and wanted == Kind.AGGREGATE:
+            current = Kind.AGGREGATE  # the compiler's masked sum
+        if wanted != current:
+            if current in (Kind.EXAMPLE, Kind.PER_EXAMPLE) and wanted in (
+                    Kind.AGGREGATE, Kind.RELEASED, Kind.UPDATES):
+                raise PipelineError(
+                    f"{where} receives unbounded per-example values ({current.value}) but needs "
+                    f"{wanted.value}: every per-example value must pass a clip stage (e.g. "
+                    "@clip.global_l2()) before it is summed, noised or applied")
+            if current in PRIVATE_KINDS and wanted in (Kind.RELEASED, Kind.UPDATES):
+                raise PipelineError(
+                    f"{where} needs {wanted.value} values but receives private {current.value} "
+                    "values: add a release (e.g. @noise.gaussian()) before it")
+            raise PipelineError(f"{where} consumes {wanted.value} but the previous stage "
+                                f"produces {current.value}; reorder the pipeline")
+        if stage.kind_in == Kind.EXAMPLE and i != 0:
+            raise PipelineError(f"{where}: only the first stage may consume raw examples")
+        if stage.kind_in == Kind.PER_EXAMPLE and stage.kind_out == Kind.BOUNDED:
+            if stage.l2_bound is None or not stage.l2_bound > 0:
+                raise PipelineError(f"{where} turns per-example values into bounded ones but "
+                                    "declares no positive l2_bound")
+            if clip_index is not None:
+                raise PipelineError(f"{where} is a second clip; a pipeline has exactly one")
+            clip_index, sensitivity = i, float(stage.l2_bound)
+        elif stage.kind_in in (Kind.BOUNDED, Kind.AGGREGATE) and not stage.is_release:
+            if stage.kind_out != stage.kind_in:
+                raise PipelineError(f"{where} maps {stage.kind_in.value} to "
+                                    f"{stage.kind_out.value}; only a release may do that")
+            if stage.lipschitz is None or not stage.lipschitz >= 0:
+                raise PipelineError(
+                    f"{where} transforms {stage.kind_in.value} values without declaring its L2 "
+                    "Lipschitz factor, so the sensitivity of the release is unknown; declare "
+                    "lipschitz= in its Stage")
+            if stage.kind_in == Kind.AGGREGATE and stage.dp_event is None and \
+                    stage.options.get("reads_private_values", True):
+                raise PipelineError(
+                    f"{where} reads the private aggregate before the release but declares no DP "
+                    "cost (dp_event); data-dependent selection must be an accounted mechanism")
+            sensitivity *= float(stage.lipschitz)
+        if stage.is_release:
+            if stage.kind_in != Kind.AGGREGATE or stage.kind_out != Kind.RELEASED:
+                raise PipelineError(f"{where} is a release but does not map aggregate to "
+                                    "released")
+            releases.append(i)
+        current = stage.kind_out
+    if clip_index is None:
+        raise PipelineError("the pipeline has no clip stage (PER_EXAMPLE -> BOUNDED); add "
+                            "@clip.global_l2() after the gradient stage")
+    if not releases:
+        raise PipelineError("the pipeline has no release stage; add @noise.gaussian() after "
+                            "the clip")
+    if current != Kind.UPDATES:
+        raise PipelineError(f"the last stage '{stages[-1].name}' produces {current.value}; a "
+                            "pipeline must end with an optimizer (@optimize.optax())")
+    return ValidatedPipeline(stages, clip_index, tuple(releases), sensitivity)
+
+
+@dataclasses.dataclass
+class CompiledPipeline:
+    """What the train loop needs: the jitted step, initial state, and the run's accounting."""
+
+    stages: tuple
+    sensitivity: float
+    noise_multiplier: float
+    sampler: Any
+    budget: accounting.Budget
+    total_steps: int
+    micro_batch_size: int
+    micro_steps: int
+    step: Callable                     # jitted (TrainState, batch) -> (TrainState, metrics)
+    init_state: Callable               # (params, key) -> TrainState (placed on the mesh)
+    step_event: Callable[[float], dp_event.DpEvent]
+    mesh: Mesh
+
+    def run_event(self, steps: Optional[int] = None) -> dp_event.DpEvent:
+        steps = self.total_steps if steps is None else steps
+        return dp_event.SelfComposedDpEvent(self.step_event(self.noise_multiplier), steps)
+
+    def epsilon_after(self, steps: int) -> float:
+        if steps == 0:
+            return 0.0
+        if self.noise_multiplier == 0:
+            return math.inf
+        return accounting.epsilon_of(self.run_event(steps), self.budget)
+
+    def batch_layout(self, arrays: dict) -> dict:
+        """Reshapes host arrays [padded, ...] to [micro_steps, micro_batch, ...]."""
+        return {k: v.reshape((self.micro_steps, self.micro_batch_size) + v.shape[1:])
+                for k, v in arrays.items()}
+
+
+def _per_step_event(sampler, releases: int) -> Callable[[float], dp_event.DpEvent]:
+    # k Gaussian releases of the same batch with one sigma, each scaled to its own sensitivity,
+    # compose to one Gaussian with multiplier sigma / sqrt(k).
+    return lambda sigma: sampler.dp_event(sigma / math.sqrt(releases))
+
+
+def compile_pipeline(stages: Sequence[Stage], *, loss_fn: Callable, init_params: Callable,
+                     example_shape: tuple, sampler, budget: accounting.Budget, total_steps: int,
+                     steps_per_epoch: int, micro_batch_size: int, mesh: Optional[Mesh] = None,
+                     ema_decay: float = 0.0,
+                     noise_multiplier: Optional[float] = None) -> CompiledPipeline:
+    """Validates, accounts and lowers a pipeline (see the module docstring).
+
+    ``noise_multiplier=None`` calibrates sigma to the budget (the normal path). A given value is
+    used as is (for tests and non-private baselines); the reported epsilon is then the
+    accountant's for that sigma, which may exceed the target.
+    """
+    mesh = sharding.make_mesh() if mesh is None else mesh
+    validated = validate_pipeline(stages)
+    if total_steps <= 0:
+        raise ValueError(f"the run has {total_steps} steps; set train.epochs > 0")
+    if not 0.0 <= ema_decay < 1.0:
+        raise ValueError(f"train.ema_decay must lie in [0, 1), got {ema_decay!r}")
+    num_devices = mesh.devices.size
+    if micro_batch_size <= 0 or micro_batch_size % num_devices:
+        raise ValueError(f"train.micro_batch_size ({micro_batch_size}) must be a positive "
+                         f"multiple of the device count ({num_devices})")
+    padded = sampler.padded_batch_size
+    if padded % micro_batch_size:
+        raise ValueError(f"the sampler's padded batch size {padded} is not a multiple of the "
+                         f"micro-batch size {micro_batch_size}")
+    micro_steps = padded // micro_batch_size
+
+    step_event = _per_step_event(sampler, len(validated.release_indices))
+    if noise_multiplier is None:
+        if math.isinf(validated.sensitivity):
+            raise PipelineError("the clip bound is infinite, so no noise can make the release "
+                                "private; set clip.global_l2.l2_bound to a finite value")
+        budget.validate(sampler.dataset_size)
+        sigma = accounting.calibrate_noise_multiplier(
+            lambda s: dp_event.SelfComposedDpEvent(step_event(s), total_steps), budget)
+    else:
+        sigma = float(noise_multiplier)
+        if sigma < 0 or (sigma > 0 and math.isinf(validated.sensitivity)):
+            raise ValueError(f"noise multiplier {sigma} with sensitivity "
+                             f"{validated.sensitivity} gives no valid noise scale")
+
+    key_shapes = jax.eval_shape(lambda: jax.random.key(0))
+    param_shapes = jax.eval_shape(init_params, key_shapes)
+    info = StageInfo(total_steps=total_steps, steps_per_epoch=steps_per_epoch,
+                     expected_batch_size=sampler.expected_batch_size,
+                     dataset_size=sampler.dataset_size, param_shapes=param_shapes)
+    built = tuple(s.build(s, info) if s.build is not None else s for s in validated.stages)
+    n_per_example = validated.clip_index + 1 + sum(
+        1 for s in built[validated.clip_index + 1:] if s.kind_in == Kind.BOUNDED)
+    per_example_stages = built[:n_per_example]
+    batch_stages = built[n_per_example:]
+    expected_batch_size = float(sampler.expected_batch_size)
+    sensitivity = validated.sensitivity
+
+    def per_example_fn(params, stage_states, step, step_key, example, position):
+        value, aux = example, {}
+        for i, stage in enumerate(per_example_stages):
+            ctx = StepContext(params=params, step=step,
+                              key=jax.random.fold_in(jax.random.fold_in(step_key, i), position),
+                              loss_fn=loss_fn)
+            if stage.kind_in == Kind.EXAMPLE:
+                value, aux = stage.apply(value, stage_states[i], ctx)
+            else:
+                value = stage.apply(value, stage_states[i], ctx)
+        return value, aux
+
+    def masked_sum(params, stage_states, step, step_key, batch):
+        zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, p.dtype), params)
+        positions = jnp.arange(padded, dtype=jnp.int32).reshape(micro_steps, micro_batch_size)
+        examples = {k: v for k, v in batch.items() if k != "mask"}
+
+        def compute(micro):
+            example, mask, position = micro
+            values, aux = jax.vmap(per_example_fn, in_axes=(None, None, None, None, 0, 0),
+                                   spmd_axis_name=sharding.DATA_AXIS)(
+                params, stage_states, step, step_key, example, position)
+
+            def masked(v):
+                m = mask.reshape(mask.shape + (1,) * (v.ndim - 1))
+                return jnp.sum(jnp.where(m, v, jnp.zeros_like(v)), axis=0)
+
+            return jax.tree.map(masked, values), masked(aux["loss"])
+
+        def body(carry, micro):
+            total, loss_sum = carry
+            # A micro-batch with no real example contributes exactly zero: skip its compute.
+            part, part_loss = jax.lax.cond(
+                jnp.any(micro[1]), compute,
+                lambda _: (zeros, jnp.zeros((), jnp.float32)), micro)
+            return (jax.tree.map(jnp.add, total, part), loss_sum + part_loss), None
+
+        (total, loss_sum), _ = jax.lax.scan(
+            body, (zeros, jnp.zeros((), jnp.float32)), (examples, batch["mask"], positions))
+        return total, loss_sum
+
+    def step_fn(state: TrainState, batch: dict):
+        step_key = jax.random.fold_in(state.key, state.step)
+        value, loss_sum = masked_sum(state.params, state.stage_states, state.step, step_key,
+                                     batch)
+        new_states = list(state.stage_states)
+        normalized = False
+        for offset, stage in enumerate(batch_stages):
+            i = n_per_example + offset
+            if stage.kind_out == Kind.UPDATES and not normalized:
+                # Divide by the EXPECTED batch size: the realized one is private.
+                value = jax.tree.map(lambda v: v / expected_batch_size, value)
+                normalized = True
+            ctx = StepContext(params=state.params, step=state.step,
+                              key=jax.random.fold_in(step_key, i),
+                              noise_multiplier=sigma, sensitivity=sensitivity)
+            value, new_states[i] = stage.apply(value, state.stage_states[i], ctx)
+        params = optax.apply_updates(state.params, value)
+        if ema_decay > 0:
+            ema = jax.tree.map(lambda e, p: ema_decay * e + (1 - ema_decay) * p,
+                               state.ema_params, params)
+        else:
+            ema = state.ema_params
+        count = jnp.sum(batch["mask"])
+        metrics = {
+            # Diagnostics computed from the private batch; never fed back into training.
+            "train_loss": loss_sum / jnp.maximum(count, 1),
+            "update_norm": optax.tree.norm(value),
+        }
+        return TrainState(params, tuple(new_states), ema, state.step + 1, state.key), metrics
+
+    def init_state_fn(params, key):
+        states = tuple(stage.init(params, jax.random.fold_in(key, i), info)
+                       for i, stage in enumerate(built))
+        return TrainState(params=params, stage_states=states,
+                          ema_params=params if ema_decay > 0 else (),
+                          step=jnp.zeros((), jnp.int32), key=key)
+
+    replicated = sharding.replicated(mesh)
+    batch_shard = sharding.batch_sharding(mesh)
+
+    def init_state(params, key):
+        # Copy: the step donates its state, which must not invalidate the caller's arrays.
+        state = jax.tree.map(lambda x: jnp.array(x, copy=True), init_state_fn(params, key))
+        return jax.device_put(state, replicated)
+
+    batch_shapes = {"image": jax.ShapeDtypeStruct((micro_steps, micro_batch_size) +
+                                                  tuple(example_shape), jnp.float32),
+                    "label": jax.ShapeDtypeStruct((micro_steps, micro_batch_size), jnp.int32),
+                    "mask": jax.ShapeDtypeStruct((micro_steps, micro_batch_size), jnp.bool_)}
+    state_shapes = jax.eval_shape(init_state_fn, param_shapes, key_shapes)
+    # Shape and dtype errors surface here, before any device memory is allocated.
+    jax.eval_shape(step_fn, state_shapes, batch_shapes)
+    jitted = jax.jit(step_fn, in_shardings=(replicated, batch_shard),
+                     out_shardings=(replicated, replicated), donate_argnums=(0,))
+    return CompiledPipeline(
+        stages=built, sensitivity=sensitivity, noise_multiplier=sigma, sampler=sampler,
+        budget=budget, total_steps=total_steps, micro_batch_size=micro_batch_size,
+        micro_steps=micro_steps, step=jitted, init_state=init_state, step_event=step_event,
+        mesh=mesh)

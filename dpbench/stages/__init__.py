@@ -1,0 +1,5 @@
+"""Pipeline stages. Importing this package registers every built-in stage with gin."""
+
+from dpbench.stages.base import (  # noqa: F401
+    Kind, Stage, StageInfo, StepContext, register_stage, registered_stage_names)
+from dpbench.stages import grad, clip, noise, optimize  # noqa: F401  (registration side effects)

@@ -1,0 +1,40 @@
+"""Clipping stages: the only way per-example values become BOUNDED."""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from dpbench.stages.base import Kind, Stage, register_stage
+
+
+def clip_to_l2(tree, l2_bound: float):
+    """Scales ``tree`` by min(1, l2_bound / ||tree||_2) (global norm over all leaves)."""
+    if math.isinf(l2_bound):
+        return tree
+    norm = optax.tree.norm(tree)
+    # l2_bound / max(norm, l2_bound) == min(1, l2_bound / norm) and is finite for norm == 0.
+    scale = l2_bound / jnp.maximum(norm, l2_bound)
+    return jax.tree.map(lambda leaf: (leaf * scale).astype(leaf.dtype), tree)
+
+
+@register_stage("clip.global_l2")
+def global_l2(l2_bound: float = 1.0) -> Stage:
+    """Flat L2 clipping of one example's value: output norm <= ``l2_bound`` (PER_EXAMPLE -> BOUNDED).
+
+    ``l2_bound = inf`` disables clipping (only meaningful with noise multiplier 0, for testing
+    against non-private SGD; the compiler refuses to calibrate noise for an infinite bound).
+    """
+    if not isinstance(l2_bound, (int, float)) or math.isnan(l2_bound) or l2_bound <= 0:
+        raise ValueError(f"clip.global_l2.l2_bound must be a positive number, got {l2_bound!r}; "
+                         "set e.g. clip.global_l2.l2_bound = 1.0")
+
+    def apply(value, state, ctx):
+        del state, ctx
+        return clip_to_l2(value, float(l2_bound))
+
+    return Stage(name="clip.global_l2", kind_in=Kind.PER_EXAMPLE, kind_out=Kind.BOUNDED,
+                 apply=apply, l2_bound=float(l2_bound), options=dict(l2_bound=float(l2_bound)))

@@ -1,0 +1,61 @@
+"""Per-example gradient stage: the entry point of every pipeline (EXAMPLE -> PER_EXAMPLE)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from dpbench.stages.base import Kind, Stage, register_stage
+
+AUGMENTATIONS = ("none", "crop_flip", "crop")
+
+
+def augment_image(key: jax.Array, image: jax.Array, augmentation: str, crop_padding: int):
+    """Returns a randomly augmented copy of one (H, W, C) image; a pure function of (key, image)."""
+    if augmentation == "none":
+        return image
+    height, width = image.shape[:2]
+    crop_key, flip_key = jax.random.split(key)
+    padded = jnp.pad(image, ((crop_padding, crop_padding), (crop_padding, crop_padding), (0, 0)),
+                     mode="reflect")
+    offsets = jax.random.randint(crop_key, (2,), 0, 2 * crop_padding + 1)
+    image = jax.lax.dynamic_slice(padded, (offsets[0], offsets[1], 0), image.shape)
+    if augmentation == "crop_flip":
+        image = jnp.where(jax.random.bernoulli(flip_key), image[:, ::-1, :], image)
+    del height, width
+    return image
+
+
+@register_stage("grad.per_example")
+def per_example(augmult: int = 1, augmentation: str = "none", crop_padding: int = 4) -> Stage:
+    """The gradient of the loss on ONE example (the compiler vmaps it over the batch).
+
+    With augmentation multiplicity ``augmult`` = K > 1 (De et al. 2022), the example is augmented
+    K times and the K gradients are averaged before any clipping, so the output is still a
+    function of this one example only. Returns ``(grads, {'loss': loss})``.
+    """
+    if not isinstance(augmult, int) or augmult < 1:
+        raise ValueError(f"grad.per_example.augmult must be an integer >= 1, got {augmult!r}")
+    if augmentation not in AUGMENTATIONS:
+        raise ValueError(f"grad.per_example.augmentation must be one of {AUGMENTATIONS}, "
+                         f"got {augmentation!r}")
+    if augmult > 1 and augmentation == "none":
+        raise ValueError("grad.per_example.augmult > 1 needs an augmentation "
+                         "(set grad.per_example.augmentation = 'crop_flip' or 'crop')")
+
+    def apply(example, state, ctx):
+        del state
+        value_and_grad = jax.value_and_grad(ctx.loss_fn)
+        if augmult == 1 and augmentation == "none":
+            loss, grads = value_and_grad(ctx.params, example["image"], example["label"])
+            return grads, {"loss": loss}
+        keys = jax.random.split(ctx.key, augmult)
+        images = jax.vmap(lambda k: augment_image(k, example["image"], augmentation,
+                                                  crop_padding))(keys)
+        losses, grads = jax.vmap(lambda im: value_and_grad(ctx.params, im, example["label"]))(
+            images)
+        return jax.tree.map(lambda g: g.mean(axis=0), grads), {"loss": losses.mean()}
+
+    return Stage(name="grad.per_example", kind_in=Kind.EXAMPLE, kind_out=Kind.PER_EXAMPLE,
+                 apply=apply, options=dict(augmult=augmult, augmentation=augmentation,
+                                           crop_padding=crop_padding))

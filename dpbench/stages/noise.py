@@ -1,0 +1,34 @@
+"""The Gaussian release: AGGREGATE -> RELEASED."""
+
+from __future__ import annotations
+
+import jax
+
+from dpbench.stages.base import Kind, Stage, register_stage
+
+
+def add_gaussian_noise(tree, key: jax.Array, stddev):
+    """Adds independent N(0, stddev^2) noise to every coordinate; one fresh key per leaf."""
+    leaves, treedef = jax.tree.flatten(tree)
+    keys = jax.random.split(key, len(leaves))
+    noisy = [leaf + stddev * jax.random.normal(k, leaf.shape, leaf.dtype)
+             for leaf, k in zip(leaves, keys)]
+    return jax.tree.unflatten(treedef, noisy)
+
+
+@register_stage("noise.gaussian")
+def gaussian() -> Stage:
+    """Releases the batch sum with N(0, (sigma * sensitivity)^2) noise on every coordinate.
+
+    sigma is never set here: the compiler calibrates it to the run's (epsilon, delta) and derives
+    the sensitivity from the pipeline's clip bound and Lipschitz factors. The noise is drawn once
+    per step from the step's key, so the sharded step adds it once, not once per device.
+    """
+
+    def apply(value, state, ctx):
+        if ctx.noise_multiplier == 0:  # non-private baseline; avoids 0 * inf with no clipping
+            return value, state
+        return add_gaussian_noise(value, ctx.key, ctx.noise_multiplier * ctx.sensitivity), state
+
+    return Stage(name="noise.gaussian", kind_in=Kind.AGGREGATE, kind_out=Kind.RELEASED,
+                 apply=apply, is_release=True)

@@ -1,0 +1,62 @@
+"""Shared fixtures: small models and a helper that compiles a pipeline on them."""
+
+from pathlib import Path
+
+import gin
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import dpbench.stages  # noqa: F401
+from dpbench import accounting, compiler, models, sampling, stages
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(autouse=True)
+def clean_gin():
+    gin.clear_config()
+    yield
+    gin.clear_config()
+
+
+def dpsgd_stages(l2_bound=1.0, learning_rate=0.5, optimizer="sgd"):
+    return [stages.grad.per_example(), stages.clip.global_l2(l2_bound),
+            stages.noise.gaussian(),
+            stages.optimize.optax_optimizer(optimizer=optimizer, learning_rate=learning_rate)]
+
+
+def small_model(shape=(8, 8, 1), num_classes=4, name="logistic"):
+    model = models.make_model(num_classes, name=name, hidden=(16,))
+    loss_fn = models.cross_entropy_loss(model)
+
+    def init_params(key):
+        return model.init(key, jnp.zeros((1,) + shape, jnp.float32))
+
+    return model, loss_fn, init_params
+
+
+def compile_small(stage_list, *, n=64, batch_size=16, micro=8, noise_multiplier=None,
+                  budget=None, total_steps=10, mesh=None, shape=(8, 8, 1), model_name="logistic",
+                  padded_batch_size=None, seed=0):
+    _, loss_fn, init_params = small_model(shape, name=model_name)
+    sampler = sampling.PoissonSampler(n, batch_size, seed=seed, pad_multiple=micro,
+                                      padded_batch_size=padded_batch_size)
+    budget = budget or accounting.Budget(epsilon=3.0, delta=1e-5)
+    compiled = compiler.compile_pipeline(
+        stage_list, loss_fn=loss_fn, init_params=init_params, example_shape=shape,
+        sampler=sampler, budget=budget, total_steps=total_steps, steps_per_epoch=4,
+        micro_batch_size=micro, mesh=mesh, noise_multiplier=noise_multiplier)
+    return compiled, init_params, loss_fn
+
+
+def random_data(n, shape=(8, 8, 1), num_classes=4, seed=0):
+    rng = np.random.default_rng(seed)
+    return (rng.normal(size=(n,) + shape).astype(np.float32),
+            rng.integers(0, num_classes, n).astype(np.int32))
+
+
+def make_batch(compiled, images, labels, indices, mask):
+    return compiled.batch_layout({"image": images[indices], "label": labels[indices],
+                                  "mask": mask})

@@ -1,0 +1,199 @@
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from dpbench import compiler, stages
+from dpbench.stages.base import Kind, Stage
+from tests.conftest import (REPO_ROOT, compile_small, dpsgd_stages, make_batch, random_data)
+from tests.stages.test_noise import std_test_pvalue
+
+
+def test_sigma_zero_and_infinite_clip_equals_plain_optax_sgd():
+    n = 32
+    images, labels = random_data(n, seed=int(np.random.default_rng().integers(1e6)))
+    compiled, init_params, loss_fn = compile_small(
+        dpsgd_stages(l2_bound=float("inf"), learning_rate=0.3), n=n, batch_size=n, micro=8,
+        noise_multiplier=0.0, padded_batch_size=n)
+    params = init_params(jax.random.key(0))
+    state = compiled.init_state(params, jax.random.key(1))
+    sgd = optax.sgd(0.3)
+    ref_params, opt_state = params, sgd.init(params)
+    mean_loss = lambda p: jnp.mean(jax.vmap(loss_fn, (None, 0, 0))(p, images, labels))  # noqa
+    for step in range(3):
+        b = compiled.sampler.sample(step)
+        assert b.size == n  # q = 1: every example every step
+        state, _ = compiled.step(state, make_batch(compiled, images, labels, b.indices, b.mask))
+        grads = jax.grad(mean_loss)(ref_params)
+        updates, opt_state = sgd.update(grads, opt_state)
+        ref_params = optax.apply_updates(ref_params, updates)
+    for got, want in zip(jax.tree.leaves(state.params), jax.tree.leaves(ref_params)):
+        np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-6)
+
+
+def test_empty_batch_gives_finite_noise_only_update_with_std_sigma_c_over_b():
+    n, batch = 64, 16
+    compiled, init_params, _ = compile_small(dpsgd_stages(l2_bound=0.7, learning_rate=1.0),
+                                             n=n, batch_size=batch, micro=8,
+                                             noise_multiplier=1.3)
+    images, labels = random_data(n)
+    params = init_params(jax.random.key(0))
+    state = compiled.init_state(params, jax.random.key(2))
+    before = jax.tree.map(np.asarray, params)
+    padded = compiled.sampler.padded_batch_size
+    empty = make_batch(compiled, images, labels, np.zeros(padded, np.int64),
+                       np.zeros(padded, bool))
+    state, metrics = compiled.step(state, empty)
+    assert int(state.step) == 1  # an empty batch still counts as a step
+    deltas = np.concatenate([np.ravel(np.asarray(a) - b) for a, b in
+                             zip(jax.tree.leaves(state.params), jax.tree.leaves(before))])
+    assert np.all(np.isfinite(deltas)) and np.any(deltas != 0)
+    # update = -lr * noise / expected batch size, noise ~ N(0, (sigma C)^2)
+    assert std_test_pvalue(deltas, 1.3 * 0.7 / batch) > 1e-4
+
+
+def test_noise_scale_of_the_compiled_step_rejects_a_wrong_sigma():
+    """The whole compiled step: release stddev = sigma * C, divided by the EXPECTED size."""
+    n, batch = 64, 16
+    compiled, init_params, _ = compile_small(dpsgd_stages(l2_bound=2.0, learning_rate=1.0),
+                                             n=n, batch_size=batch, micro=8,
+                                             noise_multiplier=0.9, shape=(16, 16, 1))
+    images, labels = random_data(n, shape=(16, 16, 1))
+    state = compiled.init_state(init_params(jax.random.key(0)), jax.random.key(5))
+    padded = compiled.sampler.padded_batch_size
+    empty = make_batch(compiled, images, labels, np.zeros(padded, np.int64),
+                       np.zeros(padded, bool))
+    deltas = []
+    for _ in range(20):
+        before = jax.tree.map(np.array, state.params)
+        state, _ = compiled.step(state, empty)
+        deltas.append(np.concatenate([np.ravel(np.asarray(a) - b) for a, b in zip(
+            jax.tree.leaves(state.params), jax.tree.leaves(before))]))
+    deltas = np.concatenate(deltas)
+    assert std_test_pvalue(deltas, 0.9 * 2.0 / batch) > 1e-4
+    assert std_test_pvalue(deltas, 0.95 * 0.9 * 2.0 / batch) < 1e-6
+    # fresh noise every step: consecutive steps are uncorrelated
+    per_step = deltas.reshape(20, -1)
+    assert abs(np.corrcoef(per_step[0], per_step[1])[0, 1]) < 0.1
+
+
+def test_the_step_does_not_recompile_across_steps():
+    n = 64
+    compiled, init_params, _ = compile_small(dpsgd_stages(), n=n, batch_size=16, micro=8,
+                                             noise_multiplier=1.0)
+    images, labels = random_data(n)
+    state = compiled.init_state(init_params(jax.random.key(0)), jax.random.key(1))
+    sizes = set()
+    for step in range(6):
+        b = compiled.sampler.sample(step)
+        sizes.add(b.size)
+        state, _ = compiled.step(state, make_batch(compiled, images, labels, b.indices, b.mask))
+    assert len(sizes) > 1  # different realized batch sizes ...
+    assert compiled.step._cache_size() == 1  # ... one compiled executable
+
+
+def _stage(name, kind_in, kind_out, **kw):
+    return Stage(name=name, kind_in=kind_in, kind_out=kind_out, apply=lambda *a: None, **kw)
+
+
+def test_noise_before_clip_is_rejected_naming_the_stage():
+    bad = [stages.grad.per_example(), stages.noise.gaussian(), stages.clip.global_l2(1.0),
+           stages.optimize.optax_optimizer()]
+    with pytest.raises(compiler.PipelineError, match=r"stage #1 'noise.gaussian'.*clip"):
+        compiler.validate_pipeline(bad)
+
+
+def test_missing_clip_is_rejected_naming_the_stage():
+    bad = [stages.grad.per_example(), stages.noise.gaussian(),
+           stages.optimize.optax_optimizer()]
+    with pytest.raises(compiler.PipelineError, match=r"'noise.gaussian'.*clip"):
+        compiler.validate_pipeline(bad)
+
+
+def test_missing_release_and_missing_optimizer_are_rejected():
+    no_noise = [stages.grad.per_example(), stages.clip.global_l2(1.0),
+                stages.optimize.optax_optimizer()]
+    with pytest.raises(compiler.PipelineError, match=r"'optimize.optax'.*release"):
+        compiler.validate_pipeline(no_noise)
+    no_opt = [stages.grad.per_example(), stages.clip.global_l2(1.0), stages.noise.gaussian()]
+    with pytest.raises(compiler.PipelineError, match="optimizer"):
+        compiler.validate_pipeline(no_opt)
+
+
+def test_undeclared_transforms_and_selection_are_rejected():
+    unknown_lipschitz = _stage("project.mystery", Kind.BOUNDED, Kind.BOUNDED)
+    with pytest.raises(compiler.PipelineError, match=r"'project.mystery'.*Lipschitz"):
+        compiler.validate_pipeline([stages.grad.per_example(), stages.clip.global_l2(1.0),
+                                    unknown_lipschitz, stages.noise.gaussian(),
+                                    stages.optimize.optax_optimizer()])
+    selection = _stage("select.topk_private", Kind.AGGREGATE, Kind.AGGREGATE, lipschitz=1.0)
+    with pytest.raises(compiler.PipelineError, match=r"'select.topk_private'.*DP cost"):
+        compiler.validate_pipeline([stages.grad.per_example(), stages.clip.global_l2(1.0),
+                                    selection, stages.noise.gaussian(),
+                                    stages.optimize.optax_optimizer()])
+    second_clip = [stages.grad.per_example(), stages.clip.global_l2(1.0),
+                   stages.clip.global_l2(1.0), stages.noise.gaussian(),
+                   stages.optimize.optax_optimizer()]
+    with pytest.raises(compiler.PipelineError, match="stage #2 'clip.global_l2'"):
+        compiler.validate_pipeline(second_clip)
+
+
+def test_sensitivity_is_the_clip_bound_times_lipschitz_factors():
+    mask = _stage("sparsify.half", Kind.BOUNDED, Kind.BOUNDED, lipschitz=0.5)
+    v = compiler.validate_pipeline([stages.grad.per_example(), stages.clip.global_l2(3.0),
+                                    mask, stages.noise.gaussian(),
+                                    stages.optimize.optax_optimizer()])
+    assert v.sensitivity == pytest.approx(1.5)
+
+
+def test_calibrated_pipeline_meets_its_budget():
+    from dpbench import accounting
+    compiled, _, _ = compile_small(dpsgd_stages(), n=1000, batch_size=50, micro=10,
+                                   budget=accounting.Budget(2.0, 1e-4), total_steps=200)
+    eps = compiled.epsilon_after(200)
+    assert eps <= 2.0 and 2.0 - eps < 1e-3
+    assert compiled.epsilon_after(100) < eps
+
+
+MULTI_DEVICE_SCRIPT = textwrap.dedent("""
+    import json, sys
+    import jax, numpy as np
+    from jax.sharding import Mesh
+    sys.path.insert(0, {root!r})
+    from tests.conftest import compile_small, dpsgd_stages, make_batch, random_data
+    devices = jax.devices()
+    out = {{}}
+    for name, devs in (("one", devices[:1]), ("all", devices)):
+        mesh = Mesh(np.asarray(devs), ("data",))
+        compiled, init_params, _ = compile_small(dpsgd_stages(learning_rate=0.5), n=128,
+            batch_size=32, micro=16, noise_multiplier=1.1, mesh=mesh, model_name="mlp")
+        images, labels = random_data(128, seed=4)
+        state = compiled.init_state(init_params(jax.random.key(0)), jax.random.key(9))
+        for step in range(3):
+            b = compiled.sampler.sample(step)
+            state, _ = compiled.step(state, make_batch(compiled, images, labels, b.indices,
+                                                       b.mask))
+        out[name] = [np.asarray(x).ravel().tolist() for x in jax.tree.leaves(state.params)]
+        out[name + "_devices"] = len(devs)
+    print("RESULT" + json.dumps(out))
+""")
+
+
+def test_step_on_8_fake_devices_equals_the_1_device_step():
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
+               JAX_PLATFORMS="cpu")
+    proc = subprocess.run([sys.executable, "-c", MULTI_DEVICE_SCRIPT.format(root=str(REPO_ROOT))],
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.split("RESULT", 1)[1])
+    assert out["all_devices"] == 8 and out["one_devices"] == 1
+    for a, b in zip(out["one"], out["all"]):
+        # identical noise (added once, from the same key), sums up to float reassociation
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)

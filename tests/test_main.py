@@ -1,0 +1,88 @@
+"""End to end: the CLI on real (small) data, and bad input failing before training."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from dpbench import accounting, compiler, main, train
+from tests.conftest import REPO_ROOT
+
+DIGITS = ["pipelines/dpsgd.gin", "gin/data/digits.gin"]
+QUICK = ["train.epochs = 2", "train.log_every_steps = 5"]
+
+
+def run_in_process(tmp_path, files=DIGITS, bindings=()):
+    main.parse_config(files, list(QUICK) + list(bindings))
+    return train.train(tmp_path / "run", gin_files=files)
+
+
+def test_cli_trains_and_writes_a_record_with_a_privacy_statement(tmp_path):
+    workdir = tmp_path / "run"
+    proc = subprocess.run(
+        [sys.executable, "-m", "dpbench.main", *[f"--gin_file={f}" for f in DIGITS],
+         "--gin_bindings=train.epochs = 3", "--gin_bindings=EPSILON = 2.0",
+         f"--workdir={workdir}"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    record = json.loads((workdir / "run_record.json").read_text())
+    statement = record["privacy_statement"]
+    assert record["epsilon"] <= 2.0 and 2.0 - record["epsilon"] < 1e-3
+    assert statement["noise_multiplier"] == record["noise_multiplier"] > 0
+    assert statement["l2_sensitivity"] == 1.0 and statement["poisson_accounted"]
+    assert statement["accountant"] == "pld" and "dp-accounting" in statement["accountant_version"]
+    assert record["test_accuracy"] > 0.3  # far above chance (0.1) after 3 epochs
+    assert (workdir / "operative_config.gin").exists() and (workdir / "config.gin").exists()
+    lines = [json.loads(l) for l in (workdir / "metrics.jsonl").read_text().splitlines()]
+    eps = [l["epsilon"] for l in lines if "epsilon" in l]
+    assert eps == sorted(eps) and eps[-1] == pytest.approx(record["epsilon"])
+    assert "steps/s" in proc.stderr and "epsilon spent" in proc.stderr
+    # a finished run is never overwritten
+    again = subprocess.run(
+        [sys.executable, "-m", "dpbench.main", *[f"--gin_file={f}" for f in DIGITS],
+         f"--workdir={workdir}"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 2 and "finished run" in again.stderr
+
+
+def test_shuffled_batches_are_flagged_in_the_record(tmp_path):
+    record = run_in_process(tmp_path, bindings=["sampler.allow_shuffled_batches = True",
+                                                "train.epochs = 1"])
+    assert not record["privacy_statement"]["poisson_accounted"]
+    assert "does NOT hold" in record["privacy_statement"]["statement"]
+
+
+@pytest.mark.parametrize("bindings,error,match", [
+    (["EPSILON = 0.0"], accounting.BudgetError, "budget.epsilon"),
+    (["EPSILON = -2.0"], accounting.BudgetError, "budget.epsilon"),
+    (["EPSILON = float('inf')"], Exception, "epsilon"),
+    (["DELTA = 0.0"], accounting.BudgetError, "budget.delta"),
+    (["DELTA = 0.01"], accounting.BudgetError, r"budget.delta must lie in \(0, 1/N\)"),
+    (["train.batch_size = 100000"], ValueError, r"q = batch_size / N"),
+    (["clip.global_l2.l2_bound = 0.0"], ValueError, "l2_bound must be a positive"),
+    (["clip.global_l2.l2_bound = -1.0"], ValueError, "l2_bound must be a positive"),
+    (["dataset.name = 'imagenette'"], ValueError, "unknown dataset 'imagenette'"),
+    (["model.name = 'resnet9000'"], ValueError, "unknown model 'resnet9000'"),
+    (["STAGES = [@grad.per_example(), @clip.global_l3(), @noise.gaussian(), "
+      "@optimize.optax()]"], main.ConfigError, "known stages: .*clip.global_l2"),
+    (["clip.global_l2.l2_bond = 1.0"], main.ConfigError, "l2_bond"),
+    (["STAGES = [@grad.per_example(), @noise.gaussian(), @clip.global_l2(), "
+      "@optimize.optax()]"], compiler.PipelineError, "'noise.gaussian'"),
+])
+def test_bad_input_fails_before_training_with_what_to_change(tmp_path, bindings, error, match):
+    with pytest.raises(error, match=match):
+        run_in_process(tmp_path, bindings=bindings)
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()  # nothing trained
+
+
+def test_missing_fashion_mnist_files_name_the_install_command(tmp_path, monkeypatch):
+    from dpbench import data
+    monkeypatch.setattr(data, "_load_via_tfds", lambda *a, **k: (_ for _ in ()).throw(
+        RuntimeError("no network")))
+    with pytest.raises(FileNotFoundError, match="apt-get install -y dataset-fashion-mnist"):
+        run_in_process(tmp_path, files=["pipelines/dpsgd.gin"],
+                       bindings=[f"dataset.data_dir = '{tmp_path}'"])
+
+
+def test_missing_gin_file_is_a_clear_error():
+    with pytest.raises(main.ConfigError, match="not found"):
+        main.parse_config(["pipelines/nope.gin"], [])

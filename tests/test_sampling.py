@@ -1,0 +1,69 @@
+import numpy as np
+import pytest
+from dp_accounting import dp_event
+
+from dpbench import sampling
+
+
+def test_poisson_batch_size_mean_and_variance_match_q_n():
+    n, batch = 10_000, 500
+    q = batch / n
+    sampler = sampling.PoissonSampler(n, batch, seed=int(np.random.default_rng().integers(1e9)))
+    sizes = np.array([sampler.sample(t).size for t in range(2000)])
+    mean_se = np.sqrt(q * (1 - q) * n / len(sizes))
+    assert abs(sizes.mean() - q * n) < 4 * mean_se
+    var = q * (1 - q) * n
+    assert abs(sizes.var(ddof=1) - var) < 4 * var * np.sqrt(2 / (len(sizes) - 1))
+    # A wrong rate is rejected by the same statistics.
+    assert abs(sizes.mean() - 1.05 * q * n) > 4 * mean_se
+
+
+def test_every_example_is_included_with_probability_q_independently_of_position():
+    n, batch, steps = 200, 20, 3000
+    sampler = sampling.PoissonSampler(n, batch, seed=3)
+    counts = np.zeros(n)
+    for t in range(steps):
+        b = sampler.sample(t)
+        assert len(np.unique(b.indices[b.mask])) == b.size  # no example twice
+        counts[b.indices[b.mask]] += 1
+    q = batch / n
+    z = (counts - steps * q) / np.sqrt(steps * q * (1 - q))
+    assert np.abs(z).max() < 5
+    # the mask marks a prefix; padding slots are unused
+    b = sampler.sample(0)
+    assert b.mask[:b.size].all() and not b.mask[b.size:].any()
+
+
+def test_steps_are_independent_and_reproducible():
+    sampler = sampling.PoissonSampler(1000, 100, seed=5)
+    a, b = sampler.sample(7), sampler.sample(7)
+    np.testing.assert_array_equal(a.indices, b.indices)
+    sizes = np.array([sampler.sample(t).size for t in range(1000)])
+    # lag-1 autocorrelation of the batch sizes is ~0 for independent steps
+    assert abs(np.corrcoef(sizes[:-1], sizes[1:])[0, 1]) < 0.15
+
+
+def test_truncation_caps_the_batch_and_the_event_matches_it():
+    sampler = sampling.PoissonSampler(1000, 100, seed=0, padded_batch_size=100)
+    assert sampler.truncated
+    assert max(sampler.sample(t).size for t in range(200)) == 100
+    event = sampler.dp_event(1.5)
+    assert isinstance(event, dp_event.TruncatedSubsampledGaussianDpEvent)
+    assert (event.dataset_size, event.truncated_batch_size, event.noise_multiplier) == (
+        1000, 100, 1.5)
+    assert event.sampling_probability == pytest.approx(0.1)
+    full = sampling.PoissonSampler(50, 10, seed=0, padded_batch_size=50)
+    assert isinstance(full.dp_event(1.0), dp_event.PoissonSampledDpEvent)
+
+
+@pytest.mark.parametrize("batch", [0, -3, 1001])
+def test_sampling_rate_outside_unit_interval_is_rejected(batch):
+    with pytest.raises(ValueError, match=r"q = batch_size / N"):
+        sampling.PoissonSampler(1000, batch, seed=0)
+
+
+def test_shuffle_sampler_is_only_built_behind_the_flag_and_says_so():
+    assert isinstance(sampling.make_sampler(100, 10, 0, 1), sampling.PoissonSampler)
+    s = sampling.make_sampler(100, 10, 0, 1, allow_shuffled_batches=True)
+    assert not s.poisson_accounted and "NOT Poisson" in s.describe()["sampling"]
+    assert s.sample(0).size == 10

@@ -8,9 +8,47 @@ from typing import Sequence
 import flax.linen as nn
 import gin
 import jax.numpy as jnp
+from jax import lax
 
 MODELS = ("tanh_cnn", "mlp", "logistic")
 ACTIVATIONS = {"tanh": nn.tanh, "relu": nn.relu}
+
+
+class PatchConv(nn.Module):
+    """A 2-D convolution computed as image patches times a matrix; same parameters as nn.Conv.
+
+    XLA's CPU convolutions are slow under vmap for per-example gradients; as patches + matmul
+    the per-example gradient is a batched outer product (about 4x faster for the tanh CNN's
+    step on 2 CPU cores, measured in tools/). Outputs equal nn.Conv's to float rounding.
+    """
+
+    features: int
+    kernel_size: tuple
+    strides: tuple = (1, 1)
+    padding: str = "SAME"
+
+    @nn.compact
+    def __call__(self, x):
+        kh, kw = self.kernel_size
+        cin = x.shape[-1]
+        kernel = self.param("kernel", nn.initializers.lecun_normal(),
+                            (kh, kw, cin, self.features))
+        bias = self.param("bias", nn.initializers.zeros, (self.features,))
+        patches = lax.conv_general_dilated_patches(
+            x, (kh, kw), self.strides, self.padding,
+            dimension_numbers=("NHWC", "HWIO", "NHWC"))
+        # conv_general_dilated_patches orders the patch features as (C, kh, kw).
+        matrix = kernel.transpose(2, 0, 1, 3).reshape(cin * kh * kw, self.features)
+        return patches @ matrix + bias
+
+
+def conv_layer(conv_impl: str, features: int, kernel_size: tuple, strides: tuple, padding: str,
+               name: str) -> nn.Module:
+    if conv_impl == "patches":
+        return PatchConv(features, kernel_size, strides, padding, name=name)
+    if conv_impl == "xla":
+        return nn.Conv(features, kernel_size, strides=strides, padding=padding, name=name)
+    raise ValueError(f"model.conv_impl must be 'patches' or 'xla', got {conv_impl!r}")
 
 
 class TanhCNN(nn.Module):
@@ -19,6 +57,7 @@ class TanhCNN(nn.Module):
     num_classes: int
     activation: str = "tanh"
     group_norm_groups: int = 0  # 0: no normalization
+    conv_impl: str = "patches"
 
     @nn.compact
     def __call__(self, x):
@@ -28,9 +67,9 @@ class TanhCNN(nn.Module):
             return nn.GroupNorm(num_groups=self.group_norm_groups)(h) if self.group_norm_groups \
                 else h
 
-        x = act(norm(nn.Conv(16, (8, 8), strides=(2, 2), padding="SAME")(x)))
+        x = act(norm(conv_layer(self.conv_impl, 16, (8, 8), (2, 2), "SAME", "Conv_0")(x)))
         x = nn.max_pool(x, (2, 2), strides=(1, 1), padding="VALID")
-        x = act(norm(nn.Conv(32, (4, 4), strides=(2, 2), padding="VALID")(x)))
+        x = act(norm(conv_layer(self.conv_impl, 32, (4, 4), (2, 2), "VALID", "Conv_1")(x)))
         x = nn.max_pool(x, (2, 2), strides=(1, 1), padding="VALID")
         x = x.reshape(x.shape[:-3] + (-1,))
         x = act(nn.Dense(32)(x))
@@ -60,13 +99,14 @@ class Logistic(nn.Module):
 
 @gin.configurable("model")
 def make_model(num_classes: int, name: str = gin.REQUIRED, activation: str = "tanh",
-               hidden: Sequence[int] = (256,), group_norm_groups: int = 0) -> nn.Module:
+               hidden: Sequence[int] = (256,), group_norm_groups: int = 0,
+               conv_impl: str = "patches") -> nn.Module:
     """Builds the model named ``model.name``; raises ValueError naming the known models."""
     if activation not in ACTIVATIONS:
         raise ValueError(f"model.activation must be one of {sorted(ACTIVATIONS)}, "
                          f"got {activation!r}")
     if name == "tanh_cnn":
-        return TanhCNN(num_classes, activation, group_norm_groups)
+        return TanhCNN(num_classes, activation, group_norm_groups, conv_impl)
     if name == "mlp":
         return MLP(num_classes, tuple(hidden), activation)
     if name == "logistic":

@@ -288,6 +288,11 @@ def compile_pipeline(stages: Sequence[Stage], *, loss_fn: Callable, init_params:
                               key=jax.random.fold_in(step_key, i),
                               noise_multiplier=sigma, sensitivity=sensitivity)
             value, new_states[i] = stage.apply(value, state.stage_states[i], ctx)
+            if stage.is_release:
+                # Public post-processing declared by earlier stages (their state is public).
+                for j, earlier in enumerate(built[:i]):
+                    if earlier.after_release is not None:
+                        value = earlier.after_release(value, state.stage_states[j], ctx)
         params = optax.apply_updates(state.params, value)
         if ema_decay > 0:
             ema = jax.tree.map(lambda e, p: ema_decay * e + (1 - ema_decay) * p,

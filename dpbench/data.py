@@ -1,6 +1,10 @@
 """Datasets: Fashion-MNIST offline from Debian's IDX files (else TFDS), scikit-learn digits, and
 TFDS names. The original training split is carved, deterministically, into validation, public
 and private training parts that are disjoint by construction.
+
+Guarantees of every loaded :class:`Dataset`: images are float32 ``(n, H, W, C)`` in ``[0, 1]``
+(no normalisation), labels int32 ``(n,)`` in ``[0, num_classes)``, all arrays read-only.
+Nothing ever falls back silently to a different dataset.
 """
 
 from __future__ import annotations
@@ -8,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import gzip
 import os
+import zlib
 from pathlib import Path
 from typing import Optional
 
@@ -20,13 +25,18 @@ FASHION_MNIST_FILES = {
     "train_images": "train-images-idx3-ubyte.gz", "train_labels": "train-labels-idx1-ubyte.gz",
     "test_images": "t10k-images-idx3-ubyte.gz", "test_labels": "t10k-labels-idx1-ubyte.gz"}
 DIGITS_TEST_SIZE = 297
-_CACHE: dict = {}
+DIGITS_TEST_SEED = 1234  # fixed, independent of split_seed: the digits test split never moves
+_CACHE: dict = {}          # (name, data_dir) -> (train_x, train_y, test_x, test_y, num_classes)
+_CARVED: dict = {}         # full load_dataset arguments -> Dataset (a few most recent)
+_MAX_CARVED = 4
 
 
 @dataclasses.dataclass(frozen=True)
 class Split:
-    images: np.ndarray  # float32 (n, H, W, C) in [0, 1]
-    labels: np.ndarray  # int32 (n,)
+    """One split: ``images`` float32 (n, H, W, C) in [0, 1]; ``labels`` int32 (n,)."""
+
+    images: np.ndarray
+    labels: np.ndarray
 
     def __len__(self) -> int:
         return int(self.labels.shape[0])
@@ -34,9 +44,11 @@ class Split:
 
 @dataclasses.dataclass(frozen=True)
 class Dataset:
-    """The splits of one dataset. ``train`` is the PRIVATE set DP training samples from;
-    ``validation`` and ``public`` are carved from the original training split and disjoint
-    from it and from each other (indices into the original split are kept to prove it)."""
+    """The splits of one dataset. ``train`` is the PRIVATE set DP training samples from
+    (N = len(train)); ``validation`` and ``public`` (None when public_size == 0) are carved
+    from the original training split. ``*_indices`` index the original training split, are
+    pairwise disjoint and together cover it (``public_indices`` is empty when public is None).
+    """
 
     name: str
     train: Split
@@ -50,6 +62,7 @@ class Dataset:
 
     @property
     def input_shape(self) -> tuple:
+        """(H, W, C) of one example."""
         return tuple(self.train.images.shape[1:])
 
 
@@ -58,93 +71,140 @@ def _frozen(array: np.ndarray) -> np.ndarray:
     return array
 
 
-def read_idx_gz(path: Path) -> np.ndarray:
-    """Parses one gzipped IDX file (unsigned bytes); raises ValueError naming a bad file."""
+def read_idx_gz(path: Path, expected_ndim: int) -> np.ndarray:
+    """Parses one gzipped unsigned-byte IDX file (magic 0x0000 08 <ndim>, big-endian uint32
+    dims, then the data). Raises ValueError naming ``path`` if the gzip stream is corrupt or
+    truncated, the magic number is wrong, or the data size disagrees with the header."""
+    fix = "reinstall with `apt-get install --reinstall -y dataset-fashion-mnist`"
     try:
         with gzip.open(path, "rb") as f:
             raw = f.read()
-    except (OSError, EOFError) as e:
-        raise ValueError(f"{path} is corrupt or truncated ({e}); reinstall it with "
-                         "`apt-get install --reinstall -y dataset-fashion-mnist`") from e
-    if len(raw) < 4 or raw[0] != 0 or raw[1] != 0 or raw[2] != 0x08:
-        raise ValueError(f"{path} is not an unsigned-byte IDX file (bad magic number)")
-    ndim = raw[3]
-    header = 4 + 4 * ndim
-    dims = [int.from_bytes(raw[4 + 4 * i:8 + 4 * i], "big") for i in range(ndim)]
+    except (OSError, EOFError, zlib.error) as e:
+        raise ValueError(f"{path} is corrupt or truncated ({e}); {fix}") from e
+    magic = bytes([0, 0, 0x08, expected_ndim])
+    if raw[:4] != magic:
+        raise ValueError(f"{path} has bad magic number {raw[:4].hex()} (expected "
+                         f"{magic.hex()}); {fix}")
+    header = 4 + 4 * expected_ndim
+    if len(raw) < header:
+        raise ValueError(f"{path} is truncated inside its header; {fix}")
+    dims = [int.from_bytes(raw[4 + 4 * i:8 + 4 * i], "big") for i in range(expected_ndim)]
     if len(raw) != header + int(np.prod(dims)):
-        raise ValueError(f"{path} is truncated: header says {dims} but it holds "
-                         f"{len(raw) - header} bytes of data")
+        raise ValueError(f"{path} is truncated or padded: header says {dims} "
+                         f"({int(np.prod(dims))} bytes) but it holds {len(raw) - header}; {fix}")
     return np.frombuffer(raw, np.uint8, offset=header).reshape(dims)
 
 
+def _to_unit_images(array: np.ndarray) -> np.ndarray:
+    """uint8 (n, H, W[, C]) -> float32 (n, H, W, C) in [0, 1]."""
+    images = np.multiply(array, np.float32(1 / 255), dtype=np.float32)
+    return images[..., None] if images.ndim == 3 else images
+
+
 def _load_fashion_mnist_idx(data_dir: Path):
-    arrays = {k: read_idx_gz(data_dir / name) for k, name in FASHION_MNIST_FILES.items()}
-    to_images = lambda a: (a.astype(np.float32) / 255.0)[..., None]  # noqa: E731
-    return (to_images(arrays["train_images"]), arrays["train_labels"].astype(np.int32),
-            to_images(arrays["test_images"]), arrays["test_labels"].astype(np.int32), 10)
+    """Reads the four IDX files; checks 28x28 images, matching counts and labels 0..9."""
+    a = {k: read_idx_gz(data_dir / f, 3 if k.endswith("images") else 1)
+         for k, f in FASHION_MNIST_FILES.items()}
+    for part in ("train", "test"):
+        images, labels = a[f"{part}_images"], a[f"{part}_labels"]
+        img_file = data_dir / FASHION_MNIST_FILES[f"{part}_images"]
+        lab_file = data_dir / FASHION_MNIST_FILES[f"{part}_labels"]
+        if images.shape[1:] != (28, 28):
+            raise ValueError(f"{img_file} holds {images.shape[1:]} images, expected 28x28")
+        if len(images) != len(labels):
+            raise ValueError(f"{img_file} has {len(images)} images but {lab_file} has "
+                             f"{len(labels)} labels")
+        if labels.size and labels.max() > 9:
+            raise ValueError(f"{lab_file} has label {labels.max()}, expected 0..9")
+    return (_to_unit_images(a["train_images"]), a["train_labels"].astype(np.int32),
+            _to_unit_images(a["test_images"]), a["test_labels"].astype(np.int32), 10)
 
 
 def _load_via_tfds(name: str):
-    """Loads (train_x, train_y, test_x, test_y, classes) through TFDS (may download)."""
+    """Loads (train_x, train_y, test_x, test_y, num_classes) through TFDS's array-record
+    ``data_source`` (works without TensorFlow; may try to download). Tests monkeypatch this."""
     import tensorflow_datasets as tfds  # imported lazily: slow, and not needed offline
 
     out = []
     for split in ("train", "test"):
         source = tfds.data_source(name, split=split, download=True)
-        images = np.stack([np.asarray(ex["image"]) for ex in source])
-        labels = np.asarray([ex["label"] for ex in source], np.int32)
-        out += [(images.astype(np.float32) / 255.0), labels]
-    return (*out, int(out[1].max()) + 1)
+        examples = [source[i] for i in range(len(source))]
+        out.append(_to_unit_images(np.stack([np.asarray(ex["image"]) for ex in examples])))
+        out.append(np.asarray([ex["label"] for ex in examples], np.int32))
+    try:
+        num_classes = int(tfds.builder(name).info.features["label"].num_classes)
+    except Exception:  # noqa: BLE001 (metadata only; the labels themselves are authoritative)
+        num_classes = int(max(out[1].max(), out[3].max())) + 1
+    return (*out, num_classes)
+
+
+def _load_digits():
+    """scikit-learn digits (values 0..16 -> [0, 1]) with a fixed 297-example test split."""
+    from sklearn.datasets import load_digits
+
+    digits = load_digits()
+    images = (digits.images.astype(np.float32) / np.float32(16.0))[..., None]
+    labels = digits.target.astype(np.int32)
+    order = np.random.default_rng(DIGITS_TEST_SEED).permutation(len(labels))
+    test, train = order[:DIGITS_TEST_SIZE], order[DIGITS_TEST_SIZE:]
+    return images[train], labels[train], images[test], labels[test], 10
 
 
 def _load_raw(name: str, data_dir: Optional[str]):
+    """Returns the ORIGINAL (train_x, train_y, test_x, test_y, num_classes) of ``name``."""
+    if name == "digits":
+        return _load_digits()
     if name == "fashion_mnist":
         directory = Path(data_dir or FASHION_MNIST_DIR)
         if all((directory / f).exists() for f in FASHION_MNIST_FILES.values()):
             return _load_fashion_mnist_idx(directory)
         try:
             return _load_via_tfds(name)
-        except Exception as e:  # noqa: BLE001 (any TFDS failure means: files are missing)
+        except Exception as e:  # noqa: BLE001 (any TFDS failure means: no data available)
             raise FileNotFoundError(
                 f"Fashion-MNIST IDX files not found in {directory} and TFDS could not load "
                 f"'fashion_mnist' ({type(e).__name__}: {e}). Run `apt-get install -y "
-                "dataset-fashion-mnist` (puts them in /usr/share/datasets/fashion-mnist), or "
-                "set dataset.data_dir to a directory holding the four IDX .gz files, or let "
-                "TFDS download 'fashion_mnist' on a machine with network access") from e
-    if name == "digits":
-        from sklearn.datasets import load_digits
-
-        digits = load_digits()
-        images = (digits.images.astype(np.float32) / 16.0)[..., None]
-        labels = digits.target.astype(np.int32)
-        order = np.random.default_rng(1234).permutation(len(labels))
-        test, train = order[:DIGITS_TEST_SIZE], order[DIGITS_TEST_SIZE:]
-        return images[train], labels[train], images[test], labels[test], 10
+                "dataset-fashion-mnist` (puts the IDX files in /usr/share/datasets/"
+                "fashion-mnist), or pass dataset.data_dir=... (a directory holding the four "
+                "IDX .gz files), or let TFDS download 'fashion_mnist' on a machine with "
+                "network access") from e
     try:
         return _load_via_tfds(name)
     except Exception as e:  # noqa: BLE001
         raise FileNotFoundError(
-            f"could not load TFDS dataset '{name}' ({type(e).__name__}: {e}); TFDS needs network "
-            f"access to download '{name}' once (or a prepared TFDS data_dir)") from e
+            f"could not load TFDS dataset '{name}' ({type(e).__name__}: {e}); TFDS needs "
+            f"network access to download '{name}' once (or an already prepared TFDS "
+            "data directory)") from e
 
 
-@gin.configurable("dataset")
+@gin.configurable("dataset", allowlist=["name", "data_dir", "validation_size", "public_size",
+                                         "split_seed"])
 def load_dataset(name: str = gin.REQUIRED, data_dir: Optional[str] = None,
                  validation_size: int = 5000, public_size: int = 0,
                  split_seed: int = 0) -> Dataset:
-    """Loads ``name`` and carves validation and public splits off its training split.
+    """Loads ``name`` and carves validation and public splits off its original training split.
 
-    The original training indices are permuted with ``split_seed``: the first
-    ``validation_size`` go to validation, the next ``public_size`` to public, the rest are the
-    private training set. Never falls back to another dataset.
+    The original training indices are permuted with ``np.random.default_rng(split_seed)``: the
+    first ``validation_size`` go to validation, the next ``public_size`` to public, the rest
+    are the private training set; the result is a deterministic function of the arguments.
+    Parsed arrays are cached per (name, data_dir) and recent carvings per full argument set,
+    so repeated loads in one process are (nearly) free; all arrays are read-only.
+    Raises ValueError for an unknown name or bad sizes, FileNotFoundError if no data is found.
     """
     if name not in KNOWN_DATASETS:
         raise ValueError(f"unknown dataset {name!r}; known: {', '.join(KNOWN_DATASETS)} "
                          "(set dataset.name)")
     for param, value in (("validation_size", validation_size), ("public_size", public_size)):
-        if not isinstance(value, (int, np.integer)) or value < 0:
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
             raise ValueError(f"dataset.{param} must be an integer >= 0, got {value!r}")
-    key = (name, os.fspath(data_dir) if data_dir else None)
+    if name == "fashion_mnist":
+        data_dir = os.path.abspath(os.fspath(data_dir or FASHION_MNIST_DIR))
+    elif data_dir is not None:
+        data_dir = os.fspath(data_dir)
+    key = (name, data_dir)
+    full_key = (*key, int(validation_size), int(public_size), int(split_seed))
+    if full_key in _CARVED:
+        return _CARVED[full_key]
     if key not in _CACHE:
         _CACHE[key] = tuple(_frozen(a) if isinstance(a, np.ndarray) else a
                             for a in _load_raw(name, data_dir))
@@ -152,14 +212,18 @@ def load_dataset(name: str = gin.REQUIRED, data_dir: Optional[str] = None,
     n = len(train_y)
     if validation_size + public_size >= n:
         raise ValueError(f"dataset.validation_size ({validation_size}) + dataset.public_size "
-                         f"({public_size}) must leave private training examples out of {n}; "
-                         "lower them")
-    order = np.random.default_rng(split_seed).permutation(n)
+                         f"({public_size}) must leave private training examples out of the "
+                         f"{n} original training examples of {name!r}; lower them")
+    order = _frozen(np.random.default_rng(split_seed).permutation(n))
     val_idx = order[:validation_size]
     pub_idx = order[validation_size:validation_size + public_size]
     train_idx = order[validation_size + public_size:]
     split = lambda idx: Split(_frozen(train_x[idx]), _frozen(train_y[idx]))  # noqa: E731
-    return Dataset(name=name, train=split(train_idx), validation=split(val_idx),
-                   test=Split(test_x, test_y), public=split(pub_idx) if public_size else None,
-                   num_classes=num_classes, train_indices=train_idx,
-                   validation_indices=val_idx, public_indices=pub_idx)
+    dataset = Dataset(name=name, train=split(train_idx), validation=split(val_idx),
+                      test=Split(test_x, test_y), public=split(pub_idx) if public_size else None,
+                      num_classes=num_classes, train_indices=train_idx,
+                      validation_indices=val_idx, public_indices=pub_idx)
+    while len(_CARVED) >= _MAX_CARVED:
+        _CARVED.pop(next(iter(_CARVED)))
+    _CARVED[full_key] = dataset
+    return dataset

@@ -58,10 +58,13 @@ class TanhCNN(nn.Module):
     activation: str = "tanh"
     group_norm_groups: int = 0  # 0: no normalization
     conv_impl: str = "patches"
+    center_inputs: bool = True
 
     @nn.compact
     def __call__(self, x):
         act = ACTIVATIONS[self.activation]
+        if self.center_inputs:
+            x = 2.0 * x - 1.0  # [0, 1] -> [-1, 1]: a fixed map, no statistics of private data
 
         def norm(h):
             return nn.GroupNorm(num_groups=self.group_norm_groups)(h) if self.group_norm_groups \
@@ -100,13 +103,13 @@ class Logistic(nn.Module):
 @gin.configurable("model")
 def make_model(num_classes: int, name: str = gin.REQUIRED, activation: str = "tanh",
                hidden: Sequence[int] = (256,), group_norm_groups: int = 0,
-               conv_impl: str = "patches") -> nn.Module:
+               conv_impl: str = "patches", center_inputs: bool = True) -> nn.Module:
     """Builds the model named ``model.name``; raises ValueError naming the known models."""
     if activation not in ACTIVATIONS:
         raise ValueError(f"model.activation must be one of {sorted(ACTIVATIONS)}, "
                          f"got {activation!r}")
     if name == "tanh_cnn":
-        return TanhCNN(num_classes, activation, group_norm_groups, conv_impl)
+        return TanhCNN(num_classes, activation, group_norm_groups, conv_impl, center_inputs)
     if name == "mlp":
         return MLP(num_classes, tuple(hidden), activation)
     if name == "logistic":

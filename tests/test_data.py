@@ -9,49 +9,97 @@ from dpbench import data
 
 FMNIST = Path(data.FASHION_MNIST_DIR)
 needs_fmnist = pytest.mark.skipif(
-    not (FMNIST / "train-images-idx3-ubyte.gz").exists(),
+    not all((FMNIST / f).exists() for f in data.FASHION_MNIST_FILES.values()),
     reason="run `apt-get install -y dataset-fashion-mnist` (tools/install.sh does)")
+
+
+@pytest.fixture(autouse=True)
+def clean_gin():
+    gin.clear_config()
+    yield
+    gin.clear_config()
+
+
+def _write_idx_gz(path, array, magic_dtype=0x08):
+    header = bytes([0, 0, magic_dtype, array.ndim]) + b"".join(
+        int(d).to_bytes(4, "big") for d in array.shape)
+    path.write_bytes(gzip.compress(header + array.astype(np.uint8).tobytes()))
+
+
+def _assert_disjoint_cover(ds, n):
+    parts = [set(ds.train_indices.tolist()), set(ds.validation_indices.tolist()),
+             set(ds.public_indices.tolist())]
+    assert sum(map(len, parts)) == n and set().union(*parts) == set(range(n))
+    assert not (parts[0] & parts[1]) and not (parts[0] & parts[2]) and not (parts[1] & parts[2])
 
 
 @needs_fmnist
 def test_fashion_mnist_loads_from_the_debian_files():
+    data._CACHE.clear(), data._CARVED.clear()
     ds = data.load_dataset("fashion_mnist", validation_size=5000, public_size=1000)
     assert len(ds.train) + len(ds.validation) + len(ds.public) == 60_000
-    assert len(ds.test) == 10_000 and ds.input_shape == (28, 28, 1)
-    assert ds.train.images.dtype == np.float32 and ds.train.labels.dtype == np.int32
-    assert 0.0 <= ds.train.images.min() and ds.train.images.max() <= 1.0
-    assert set(np.unique(ds.test.labels)) == set(range(10)) and ds.num_classes == 10
+    assert (len(ds.train), len(ds.validation), len(ds.public)) == (54_000, 5000, 1000)
+    assert len(ds.test) == 10_000 and ds.input_shape == (28, 28, 1) and ds.num_classes == 10
+    for split in (ds.train, ds.validation, ds.public, ds.test):
+        assert split.images.dtype == np.float32 and split.labels.dtype == np.int32
+        assert split.images.shape[1:] == (28, 28, 1) and not split.images.flags.writeable
+        assert 0.0 <= split.images.min() and split.images.max() <= 1.0
+    assert ds.train.images.max() == 1.0  # scaled by 255, not left as bytes or normalised
+    for labels in (ds.train.labels, ds.test.labels):
+        assert set(np.unique(labels).tolist()) == set(range(10))
+    assert data.load_dataset("fashion_mnist", public_size=1000) is ds  # cached, not re-read
 
 
 @needs_fmnist
 def test_carving_is_disjoint_covering_and_deterministic():
     ds = data.load_dataset("fashion_mnist", validation_size=5000, public_size=2000, split_seed=3)
-    parts = [set(ds.train_indices), set(ds.validation_indices), set(ds.public_indices)]
-    assert set().union(*parts) == set(range(60_000))
-    assert not (parts[0] & parts[1]) and not (parts[0] & parts[2]) and not (parts[1] & parts[2])
+    _assert_disjoint_cover(ds, 60_000)
+    data._CARVED.clear()  # recompute rather than hit the carving cache
     again = data.load_dataset("fashion_mnist", validation_size=5000, public_size=2000,
                               split_seed=3)
-    np.testing.assert_array_equal(ds.train_indices, again.train_indices)
+    for a, b in [(ds.train_indices, again.train_indices), (ds.train.images, again.train.images),
+                 (ds.public_indices, again.public_indices)]:
+        np.testing.assert_array_equal(a, b)
     other = data.load_dataset("fashion_mnist", validation_size=5000, public_size=2000,
                               split_seed=4)
     assert not np.array_equal(ds.validation_indices, other.validation_indices)
-    assert ds.public is not None and len(ds.public) == 2000
+    # the split rows really are the original rows at those indices
+    raw_train_y = data._CACHE[("fashion_mnist", str(FMNIST))][1]
+    np.testing.assert_array_equal(ds.validation.labels, raw_train_y[ds.validation_indices])
+
+
+def test_public_split_is_disjoint_from_train_and_validation():
+    ds = data.load_dataset("digits", validation_size=100, public_size=150, split_seed=7)
+    assert ds.public is not None and len(ds.public) == 150 and len(ds.validation) == 100
+    _assert_disjoint_cover(ds, 1797 - data.DIGITS_TEST_SIZE)
+    assert len(data.load_dataset("digits", validation_size=100).public_indices) == 0
 
 
 def test_digits_has_a_fixed_test_split_and_images_in_unit_range():
     ds = data.load_dataset("digits", validation_size=200)
-    assert ds.input_shape == (8, 8, 1) and len(ds.test) == data.DIGITS_TEST_SIZE
+    assert ds.input_shape == (8, 8, 1) and ds.train.images.shape[1:] == (8, 8, 1)
+    assert len(ds.test) == data.DIGITS_TEST_SIZE and ds.num_classes == 10
     assert len(ds.train) + len(ds.validation) == 1797 - data.DIGITS_TEST_SIZE
     assert ds.public is None and len(ds.public_indices) == 0
-    assert 0 <= ds.train.images.min() and ds.train.images.max() <= 1
+    assert 0 <= ds.train.images.min() and ds.train.images.max() == 1.0
+    assert ds.train.images.dtype == np.float32 and ds.train.labels.dtype == np.int32
+    other = data.load_dataset("digits", validation_size=200, split_seed=5)
+    np.testing.assert_array_equal(ds.test.labels, other.test.labels)  # seed-independent test
 
 
 def test_missing_files_name_the_install_command(tmp_path, monkeypatch):
     def no_network(name):
         raise ConnectionError("no network here")
     monkeypatch.setattr(data, "_load_via_tfds", no_network)
-    with pytest.raises(FileNotFoundError, match="apt-get install -y dataset-fashion-mnist"):
+    with pytest.raises(FileNotFoundError, match="apt-get install -y dataset-fashion-mnist") as e:
         data.load_dataset("fashion_mnist", data_dir=str(tmp_path))
+    assert "dataset.data_dir" in str(e.value) and "TFDS" in str(e.value)
+
+
+def test_tfds_failure_names_the_dataset(monkeypatch):
+    monkeypatch.setattr(data, "_load_via_tfds", lambda name: 1 / 0)
+    with pytest.raises(FileNotFoundError, match="'svhn_cropped'.*network access"):
+        data.load_dataset("svhn_cropped")
 
 
 @needs_fmnist
@@ -64,15 +112,36 @@ def test_truncated_idx_file_is_named(tmp_path):
         data.load_dataset("fashion_mnist", data_dir=str(tmp_path))
 
 
+def test_corrupt_idx_files_are_named(tmp_path):
+    good = tmp_path / "good.gz"
+    _write_idx_gz(good, np.arange(24).reshape(2, 3, 4))
+    assert data.read_idx_gz(good, 3).shape == (2, 3, 4)
+    cut = tmp_path / "cut.gz"
+    cut.write_bytes(good.read_bytes()[:-10])  # truncated gzip stream
+    with pytest.raises(ValueError, match="cut.gz is corrupt or truncated"):
+        data.read_idx_gz(cut, 3)
+    magic = tmp_path / "magic.gz"
+    _write_idx_gz(magic, np.arange(24).reshape(2, 3, 4), magic_dtype=0x0D)
+    with pytest.raises(ValueError, match="magic.gz has bad magic number"):
+        data.read_idx_gz(magic, 3)
+    with pytest.raises(ValueError, match="good.gz has bad magic number"):
+        data.read_idx_gz(good, 1)  # labels file expected, images file given
+
+
 def test_unknown_name_and_bad_sizes_say_what_to_change():
-    with pytest.raises(ValueError, match="unknown dataset 'cifar100'.*fashion_mnist"):
+    with pytest.raises(ValueError, match="unknown dataset 'cifar100'; known: fashion_mnist, "
+                                         "digits, mnist, cifar10, svhn_cropped"):
         data.load_dataset("cifar100")
     with pytest.raises(ValueError, match="validation_size"):
         data.load_dataset("digits", validation_size=-1)
+    with pytest.raises(ValueError, match="public_size"):
+        data.load_dataset("digits", public_size=-5)
     with pytest.raises(ValueError, match="leave private training examples"):
-        data.load_dataset("digits", validation_size=1500)
+        data.load_dataset("digits", validation_size=1000, public_size=500)
 
 
 def test_gin_binds_the_dataset():
-    gin.parse_config("dataset.name = 'digits'\ndataset.validation_size = 100")
-    assert len(data.load_dataset().validation) == 100
+    gin.parse_config("dataset.name = 'digits'\ndataset.validation_size = 100\n"
+                     "dataset.public_size = 50")
+    ds = data.load_dataset()
+    assert ds.name == "digits" and len(ds.validation) == 100 and len(ds.public) == 50

@@ -80,6 +80,10 @@ class Stage:
         function ``dp_event(info) -> dp_accounting.DpEvent`` giving its cost per step.
       build: ``build(stage, info) -> Stage``, called by the compiler with run-level facts (e.g.
         to build an optimizer schedule over the total number of steps).
+      after_release: for a stage before the release whose state is public (e.g. a public mask),
+        ``after_release(released, state, ctx) -> released``, applied by the compiler right after
+        the release: post-processing with the same public state (e.g. keep noise only on the
+        coordinates the mask kept).
       options: the factory's arguments, recorded in the run record.
     """
 
@@ -93,6 +97,7 @@ class Stage:
     is_release: bool = False
     dp_event: Optional[Callable] = None
     build: Optional[Callable] = None
+    after_release: Optional[Callable] = None
     options: dict = dataclasses.field(default_factory=dict)
 
     @property

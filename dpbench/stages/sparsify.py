@@ -1,0 +1,74 @@
+"""Random sparsification before clipping (RS; Zhu & Blaschko, TMLR 2023; docs/methods/rs.md)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from dpbench.stages.base import Kind, Stage, StageInfo, register_stage
+
+COOLING = ("linear", "none")
+
+
+def sparsification_rate(epoch, num_epochs: int, final_rate: float, cooling: str):
+    """Gradual cooling: the rate ramps linearly from 0 (first epoch) to final_rate (last)."""
+    if cooling == "none":
+        return jnp.asarray(final_rate, jnp.float32)
+    return final_rate * jnp.minimum(epoch / max(num_epochs - 1, 1), 1.0).astype(jnp.float32)
+
+
+def epoch_mask(mask_key: jax.Array, epoch, rate, like):
+    """A public keep-mask (1 = kept) for every leaf of ``like``: each coordinate is dropped
+    independently with probability ``rate``. A function of (mask_key, epoch) only."""
+    leaves, treedef = jax.tree.flatten(like)
+    keys = jax.random.split(jax.random.fold_in(mask_key, epoch), len(leaves))
+    masks = [jax.random.bernoulli(k, 1.0 - rate, leaf.shape).astype(leaf.dtype)
+             for k, leaf in zip(keys, leaves)]
+    return jax.tree.unflatten(treedef, masks)
+
+
+@register_stage("sparsify.random_mask")
+def random_mask(final_rate: float = 0.5, cooling: str = "linear") -> Stage:
+    """Zeroes a random fraction of every per-example gradient BEFORE clipping (PER_EXAMPLE).
+
+    The mask is public: drawn from the stage's own key and the epoch number, never from data,
+    the same for every example of an epoch and refreshed once per epoch. After the release the
+    same mask is applied again, so noise stays only on the kept coordinates (post-processing).
+    The clip bounds the masked gradient, so the sensitivity and epsilon equal DP-SGD's.
+    """
+    if not 0.0 <= final_rate < 1.0:
+        raise ValueError(f"sparsify.random_mask.final_rate must lie in [0, 1), got {final_rate!r}")
+    if cooling not in COOLING:
+        raise ValueError(f"sparsify.random_mask.cooling must be one of {COOLING}, "
+                         f"got {cooling!r}")
+    options = dict(final_rate=final_rate, cooling=cooling)
+
+    def build(stage: Stage, info: StageInfo) -> Stage:
+        steps_per_epoch = max(info.steps_per_epoch, 1)
+        num_epochs = max(-(-info.total_steps // steps_per_epoch), 1)
+
+        def init(params, key, info):
+            del params, info
+            return {"mask_key": key}
+
+        def mask_for(step, state, like):
+            epoch = step // steps_per_epoch
+            rate = sparsification_rate(epoch, num_epochs, final_rate, cooling)
+            return epoch_mask(state["mask_key"], epoch, rate, like)
+
+        def apply(grads, state, ctx):
+            mask = mask_for(ctx.step, state, grads)
+            return jax.tree.map(jnp.multiply, grads, mask)
+
+        def after_release(released, state, ctx):
+            mask = mask_for(ctx.step, state, released)
+            return jax.tree.map(jnp.multiply, released, mask)
+
+        return Stage(name=stage.name, kind_in=Kind.PER_EXAMPLE, kind_out=Kind.PER_EXAMPLE,
+                     apply=apply, init=init, after_release=after_release, options=options)
+
+    def unbuilt(*args):
+        raise RuntimeError("sparsify.random_mask must be built by the compiler before use")
+
+    return Stage(name="sparsify.random_mask", kind_in=Kind.PER_EXAMPLE,
+                 kind_out=Kind.PER_EXAMPLE, apply=unbuilt, build=build, options=options)

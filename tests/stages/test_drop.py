@@ -1,0 +1,56 @@
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dpbench import stages
+from dpbench.stages.base import StepContext
+
+
+def _ctx(params, step):
+    return StepContext(params=params, step=jnp.asarray(step, jnp.int32), key=jax.random.key(0))
+
+
+@pytest.mark.parametrize("criterion", ["random", "magnitude"])
+def test_drops_exactly_the_rate_per_layer(criterion):
+    rng = np.random.default_rng()
+    params = {"a": jnp.asarray(rng.normal(size=(40, 25)), jnp.float32),
+              "b": jnp.asarray(rng.normal(size=(7,)), jnp.float32)}
+    stage = stages.drop.gradients(rate=0.6, criterion=criterion)
+    state = stage.init(params, jax.random.key(1), None)
+    ones = jax.tree.map(jnp.ones_like, params)
+    out = jax.jit(lambda g: stage.apply(g, state, _ctx(params, 3)))(ones)
+    assert int(jnp.sum(out["a"] == 0)) == int(0.6 * 1000)
+    assert int(jnp.sum(out["b"] == 0)) == int(0.6 * 7)
+    if criterion == "magnitude":
+        dropped = np.abs(np.asarray(params["a"]))[np.asarray(out["a"]) == 0]
+        kept = np.abs(np.asarray(params["a"]))[np.asarray(out["a"]) != 0]
+        assert dropped.max() <= kept.min()
+
+
+def test_random_mask_is_fresh_each_step_and_independent_of_private_values():
+    params = {"w": jnp.zeros((5000,))}
+    stage = stages.drop.gradients(rate=0.5, criterion="random")
+    state = stage.init(params, jax.random.key(2), None)
+    apply = jax.jit(lambda g, s: stage.apply(g, state, _ctx(params, s)))
+    ones = {"w": jnp.ones((5000,))}
+    private = {"w": jnp.asarray(np.random.default_rng().normal(size=5000) + 5, jnp.float32)}
+    np.testing.assert_array_equal(apply(ones, 4)["w"] == 0, apply(private, 4)["w"] == 0)
+    assert not np.array_equal(apply(ones, 4)["w"] == 0, apply(ones, 5)["w"] == 0)
+
+
+def test_noise_is_removed_on_dropped_coordinates():
+    params = {"w": jnp.asarray(np.random.default_rng().normal(size=3000), jnp.float32)}
+    stage = stages.drop.gradients(rate=0.3, criterion="magnitude")
+    state = stage.init(params, jax.random.key(0), None)
+    noisy = {"w": jnp.full((3000,), 2.0)}
+    out = stage.after_release(noisy, state, _ctx(params, 0))["w"]
+    mask = stage.apply({"w": jnp.ones(3000)}, state, _ctx(params, 0))["w"]
+    np.testing.assert_array_equal(out, 2.0 * mask)
+
+
+def test_bad_rate_and_criterion_are_rejected():
+    with pytest.raises(ValueError, match="rate"):
+        stages.drop.gradients(rate=1.0)
+    with pytest.raises(ValueError, match="criterion"):
+        stages.drop.gradients(criterion="gradient")

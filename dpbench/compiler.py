@@ -27,6 +27,11 @@ from dpbench import accounting, sharding
 from dpbench.stages.base import PRIVATE_KINDS, Kind, Stage, StageInfo, StepContext
 
 
+# Keys for stage initialization and for steps come from disjoint subtrees of the run key, so no
+# step's noise key can coincide with a stage's initialization key.
+_STEP_DOMAIN, _INIT_DOMAIN = 0, 1
+
+
 class PipelineError(ValueError):
     """A pipeline that breaks a privacy or typing rule; the message names the stage and rule."""
 
@@ -273,7 +278,7 @@ def compile_pipeline(stages: Sequence[Stage], *, loss_fn: Callable, init_params:
         return total, loss_sum
 
     def step_fn(state: TrainState, batch: dict):
-        step_key = jax.random.fold_in(state.key, state.step)
+        step_key = jax.random.fold_in(jax.random.fold_in(state.key, _STEP_DOMAIN), state.step)
         value, loss_sum = masked_sum(state.params, state.stage_states, state.step, step_key,
                                      batch)
         new_states = list(state.stage_states)
@@ -308,8 +313,12 @@ def compile_pipeline(stages: Sequence[Stage], *, loss_fn: Callable, init_params:
         return TrainState(params, tuple(new_states), ema, state.step + 1, state.key), metrics
 
     def init_state_fn(params, key):
-        states = tuple(stage.init(params, jax.random.fold_in(key, i), info)
+        init_root = jax.random.fold_in(key, _INIT_DOMAIN)
+        states = tuple(stage.init(params, jax.random.fold_in(init_root, i), info)
                        for i, stage in enumerate(built))
+        for stage, stage_state in zip(built, states):
+            if stage.prepare_params is not None:
+                params = stage.prepare_params(params, stage_state)
         return TrainState(params=params, stage_states=states,
                           ema_params=params if ema_decay > 0 else (),
                           step=jnp.zeros((), jnp.int32), key=key)

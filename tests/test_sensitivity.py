@@ -21,6 +21,8 @@ def _pipeline(name, l2_bound=C):
         "rs": [stages.sparsify.random_mask(final_rate=0.7)],
         "drop_random": [stages.drop.gradients(rate=0.6, criterion="random")],
         "drop_magnitude": [stages.drop.gradients(rate=0.6, criterion="magnitude")],
+        "prune_random_drop": [stages.prune.random(sparsity=0.5),
+                              stages.drop.gradients(rate=0.3, criterion="magnitude")],
     }[name]
     return [stages.grad.per_example(), *middle, stages.clip.global_l2(l2_bound),
             stages.noise.gaussian(),
@@ -53,7 +55,8 @@ def _largest_move(stage_list, scales=(1e2, 1e4, -1e6)):
     return max(moves)
 
 
-@pytest.mark.parametrize("name", ["dpsgd", "rs", "drop_random", "drop_magnitude"])
+@pytest.mark.parametrize("name", ["dpsgd", "rs", "drop_random", "drop_magnitude",
+                                  "prune_random_drop"])
 def test_adding_one_huge_example_moves_the_sum_by_at_most_c(name):
     assert _largest_move(_pipeline(name)) <= C / N * (1 + 1e-5)
 

@@ -84,6 +84,8 @@ class Stage:
         ``after_release(released, state, ctx) -> released``, applied by the compiler right after
         the release: post-processing with the same public state (e.g. keep noise only on the
         coordinates the mask kept).
+      prepare_params: ``prepare_params(params, state) -> params``, applied once to the initial
+        parameters (e.g. a pre-pruning mask zeroing pruned weights); must not read private data.
       options: the factory's arguments, recorded in the run record.
     """
 
@@ -98,6 +100,7 @@ class Stage:
     dp_event: Optional[Callable] = None
     build: Optional[Callable] = None
     after_release: Optional[Callable] = None
+    prepare_params: Optional[Callable] = None
     options: dict = dataclasses.field(default_factory=dict)
 
     @property

@@ -1,0 +1,35 @@
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dpbench import stages
+from tests.conftest import compile_small, make_batch, random_data
+
+
+def test_random_prune_removes_the_fraction_per_layer_and_keeps_biases():
+    params = {"Dense_0": {"kernel": jnp.ones((30, 20)), "bias": jnp.ones((20,))},
+              "Dense_1": {"kernel": jnp.ones((20, 4)), "bias": jnp.ones((4,))}}
+    stage = stages.prune.random(sparsity=0.7)
+    state = jax.jit(lambda p: stage.init(p, jax.random.key(3), None))(params)
+    mask = state["mask"]
+    assert int(jnp.sum(mask["Dense_0"]["kernel"] == 0)) == int(0.7 * 600)
+    assert int(jnp.sum(mask["Dense_1"]["kernel"] == 0)) == int(0.7 * 80)
+    assert bool(jnp.all(mask["Dense_0"]["bias"] == 1))
+
+
+def test_pruned_weights_start_at_zero_and_stay_zero_under_noise_and_momentum():
+    pipeline = [stages.grad.per_example(), stages.prune.random(sparsity=0.5),
+                stages.clip.global_l2(1.0), stages.noise.gaussian(),
+                stages.optimize.optax_optimizer(optimizer="momentum", learning_rate=0.5)]
+    compiled, init_params, _ = compile_small(pipeline, n=64, batch_size=16, micro=8,
+                                             noise_multiplier=2.0, model_name="mlp")
+    images, labels = random_data(64)
+    state = compiled.init_state(init_params(jax.random.key(0)), jax.random.key(1))
+    mask = jax.tree.map(np.array, state.stage_states[1]["mask"])  # the step donates state
+    for step in range(4):
+        b = compiled.sampler.sample(step)
+        state, _ = compiled.step(state, make_batch(compiled, images, labels, b.indices, b.mask))
+    for p, m in zip(jax.tree.leaves(state.params), jax.tree.leaves(mask)):
+        p, m = np.asarray(p), np.asarray(m)
+        assert np.all(p[m == 0] == 0)
+        assert np.any(p[m == 1] != 0)

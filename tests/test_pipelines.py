@@ -1,0 +1,24 @@
+"""Every committed pipeline parses, validates, and trains end to end on a small real dataset."""
+
+from pathlib import Path
+
+import pytest
+
+from dpbench import main, train
+from tests.conftest import REPO_ROOT
+
+PIPELINES = sorted(p.name for p in (REPO_ROOT / "pipelines").glob("*.gin"))
+
+
+def test_there_are_pipelines():
+    assert "dpsgd.gin" in PIPELINES
+
+
+@pytest.mark.parametrize("pipeline", PIPELINES)
+def test_pipeline_trains_on_digits(pipeline, tmp_path):
+    files = [f"pipelines/{pipeline}", "gin/data/digits.gin"]
+    main.parse_config(files, ["train.epochs = 2", "train.log_every_steps = 5"])
+    record = train.train(tmp_path / "run", gin_files=files)
+    assert record["pipeline"] == Path(pipeline).stem
+    assert record["epsilon"] <= record["target_epsilon"]
+    assert record["test_accuracy"] > 0.2

@@ -14,17 +14,33 @@ import importlib.metadata
 import math
 from typing import Callable
 
+import attr
 import dp_accounting
 import gin
 import scipy.stats
 from dp_accounting import dp_event
+from dp_accounting.pld import common as pld_common
 from dp_accounting.pld import pld_privacy_accountant
+from dp_accounting.pld import privacy_loss_distribution as pld_lib
 from dp_accounting.rdp import rdp_privacy_accountant
 
 ACCOUNTANTS = ("pld", "rdp")
 # Calibration searches sigma in this interval; a target that needs more noise is unattainable.
 SIGMA_BRACKET = (0.05, 512.0)
 SIGMA_TOLERANCE = 1e-5
+
+
+@attr.s(frozen=True, slots=True, auto_attribs=True)
+class PureDpEvent(dp_event.DpEvent):
+    """A mechanism that is epsilon-DP (pure, delta = 0), e.g. GIP's index release.
+
+    dp_accounting has no such event under add/remove adjacency, so this module accounts it:
+    with PLD through the dominating pair of (epsilon, 0)-DP (``from_privacy_parameters``,
+    tight for pure DP: binary randomized response), with RDP as (epsilon^2 / 2)-zCDP
+    (Bun & Steinke 2016, Prop. 1.4). Never amplified by sampling.
+    """
+
+    epsilon: float
 
 
 class BudgetError(ValueError):
@@ -88,6 +104,8 @@ def _rdp_view(event: dp_event.DpEvent) -> tuple[dp_event.DpEvent, float]:
         return (dp_event.PoissonSampledDpEvent(event.sampling_probability,
                                                dp_event.GaussianDpEvent(event.noise_multiplier)),
                 float(overflow))
+    if isinstance(event, PureDpEvent):
+        return dp_event.ZCDpEvent(event.epsilon ** 2 / 2), 0.0
     if isinstance(event, dp_event.SelfComposedDpEvent):
         inner, overflow = _rdp_view(event.event)
         return dp_event.SelfComposedDpEvent(inner, event.count), overflow * event.count
@@ -110,8 +128,52 @@ def epsilon_of(event: dp_event.DpEvent, budget: Budget, delta: float | None = No
             raise BudgetError(
                 "with accountant 'rdp' the chance that a truncated Poisson batch overflows uses "
                 "up all of delta; raise sampler.overflow_stddevs or use budget.accountant='pld'")
+    elif _contains_pure(event):
+        return float(_pld_of(event, budget).get_epsilon_for_delta(delta))
     accountant.compose(event)
     return float(accountant.get_epsilon(delta))
+
+
+def _contains_pure(event) -> bool:
+    if isinstance(event, PureDpEvent):
+        return True
+    if isinstance(event, dp_event.SelfComposedDpEvent):
+        return _contains_pure(event.event)
+    if isinstance(event, dp_event.ComposedDpEvent):
+        return any(_contains_pure(e) for e in event.events)
+    return False
+
+
+def _pld_of(event, budget: Budget):
+    """The PLD of an event tree that holds PureDpEvents (the PLD accountant rejects them)."""
+    vdi = budget.pld_discretization
+    if isinstance(event, PureDpEvent):
+        return pld_lib.from_privacy_parameters(
+            pld_common.DifferentialPrivacyParameters(event.epsilon, 0.0),
+            value_discretization_interval=vdi)
+    if isinstance(event, dp_event.SelfComposedDpEvent):
+        return _pld_of(event.event, budget).self_compose(event.count)
+    if isinstance(event, dp_event.ComposedDpEvent):
+        plds = [_pld_of(e, budget) for e in event.events]
+        out = plds[0]
+        for other in plds[1:]:
+            out = out.compose(other)
+        return out
+    if isinstance(event, dp_event.TruncatedSubsampledGaussianDpEvent):
+        return pld_lib.from_truncated_subsampled_gaussian_mechanism(
+            dataset_size=event.dataset_size, sampling_probability=event.sampling_probability,
+            truncated_batch_size=event.truncated_batch_size,
+            noise_multiplier=event.noise_multiplier, value_discretization_interval=vdi)
+    if isinstance(event, dp_event.PoissonSampledDpEvent) and isinstance(
+            event.event, dp_event.GaussianDpEvent):
+        return pld_lib.from_gaussian_mechanism(
+            event.event.noise_multiplier, sampling_prob=event.sampling_probability,
+            value_discretization_interval=vdi)
+    if isinstance(event, dp_event.GaussianDpEvent):
+        return pld_lib.from_gaussian_mechanism(event.noise_multiplier,
+                                               value_discretization_interval=vdi)
+    raise BudgetError(f"dpbench's PLD composition does not support {type(event).__name__}; "
+                      "use budget.accountant='rdp'")
 
 
 def _bracket(epsilon_at: Callable[[float], float], target: float) -> tuple[float, float]:
@@ -149,9 +211,9 @@ def calibrate_noise_multiplier(make_event: Callable[[float], dp_event.DpEvent],
     lo, hi = _bracket(epsilon_at, budget.epsilon)
     if lo == hi:
         sigma = hi
-    elif budget.accountant == "rdp":
-        # calibrate_dp_mechanism drives a fresh accountant itself; for RDP the truncation
-        # reduction lives in epsilon_of, so root-find on it directly by bisection.
+    elif budget.accountant == "rdp" or _contains_pure(make_event(hi)):
+        # calibrate_dp_mechanism drives a fresh accountant itself, which cannot hold the RDP
+        # truncation reduction or pure-DP events; those live in epsilon_of, so bisect on it.
         while hi - lo > SIGMA_TOLERANCE:
             mid = 0.5 * (lo + hi)
             lo, hi = (lo, mid) if epsilon_at(mid) <= budget.epsilon else (mid, hi)

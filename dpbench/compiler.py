@@ -119,7 +119,7 @@ def validate_pipeline(stages: Sequence[Stage]) -> ValidatedPipeline:
                     "Lipschitz factor, so the sensitivity of the release is unknown; declare "
                     "lipschitz= in its Stage")
             if stage.kind_in == Kind.AGGREGATE and stage.dp_event is None and \
-                    stage.options.get("reads_private_values", True):
+                    stage.reads_private:
                 raise PipelineError(
                     f"{where} reads the private aggregate before the release but declares no DP "
                     "cost (dp_event); data-dependent selection must be an accounted mechanism")
@@ -176,10 +176,20 @@ class CompiledPipeline:
                 for k, v in arrays.items()}
 
 
-def _per_step_event(sampler, releases: int) -> Callable[[float], dp_event.DpEvent]:
-    # k Gaussian releases of the same batch with one sigma, each scaled to its own sensitivity,
-    # compose to one Gaussian with multiplier sigma / sqrt(k).
-    return lambda sigma: sampler.dp_event(sigma / math.sqrt(releases))
+def _per_step_event(sampler, releases: int,
+                    mechanism_events=()) -> Callable[[float], dp_event.DpEvent]:
+    """One step's DpEvent: the sampled Gaussian release(s) composed with other mechanisms.
+
+    k Gaussian releases of the same batch with one sigma, each scaled to its own sensitivity,
+    compose to one Gaussian with multiplier sigma / sqrt(k). Other mechanisms (e.g. GIP's index
+    release) are composed as declared by their stage, without amplification by sampling.
+    """
+    def event(sigma):
+        gaussian = sampler.dp_event(sigma / math.sqrt(releases))
+        if not mechanism_events:
+            return gaussian
+        return dp_event.ComposedDpEvent([gaussian, *mechanism_events])
+    return event
 
 
 def compile_pipeline(stages: Sequence[Stage], *, loss_fn: Callable, init_params: Callable,
@@ -209,7 +219,16 @@ def compile_pipeline(stages: Sequence[Stage], *, loss_fn: Callable, init_params:
                          f"micro-batch size {micro_batch_size}")
     micro_steps = padded // micro_batch_size
 
-    step_event = _per_step_event(sampler, len(validated.release_indices))
+    key_shapes = jax.eval_shape(lambda: jax.random.key(0))
+    param_shapes = jax.eval_shape(init_params, key_shapes)
+    info = StageInfo(total_steps=total_steps, steps_per_epoch=steps_per_epoch,
+                     expected_batch_size=sampler.expected_batch_size,
+                     dataset_size=sampler.dataset_size, param_shapes=param_shapes,
+                     target_epsilon=budget.epsilon if noise_multiplier is None else None)
+    built = tuple(s.build(s, info) if s.build is not None else s for s in validated.stages)
+    # Per-step costs of mechanisms other than the Gaussian release (e.g. GIP's index release).
+    mechanism_events = tuple(s.dp_event(info) for s in built if s.dp_event is not None)
+    step_event = _per_step_event(sampler, len(validated.release_indices), mechanism_events)
     if noise_multiplier is None:
         if math.isinf(validated.sensitivity):
             raise PipelineError("the clip bound is infinite, so no noise can make the release "
@@ -223,12 +242,6 @@ def compile_pipeline(stages: Sequence[Stage], *, loss_fn: Callable, init_params:
             raise ValueError(f"noise multiplier {sigma} with sensitivity "
                              f"{validated.sensitivity} gives no valid noise scale")
 
-    key_shapes = jax.eval_shape(lambda: jax.random.key(0))
-    param_shapes = jax.eval_shape(init_params, key_shapes)
-    info = StageInfo(total_steps=total_steps, steps_per_epoch=steps_per_epoch,
-                     expected_batch_size=sampler.expected_batch_size,
-                     dataset_size=sampler.dataset_size, param_shapes=param_shapes)
-    built = tuple(s.build(s, info) if s.build is not None else s for s in validated.stages)
     n_per_example = validated.clip_index + 1 + sum(
         1 for s in built[validated.clip_index + 1:] if s.kind_in == Kind.BOUNDED)
     per_example_stages = built[:n_per_example]
@@ -297,7 +310,7 @@ def compile_pipeline(stages: Sequence[Stage], *, loss_fn: Callable, init_params:
                 # Public post-processing declared by earlier stages (their state is public).
                 for j, earlier in enumerate(built[:i]):
                     if earlier.after_release is not None:
-                        value = earlier.after_release(value, state.stage_states[j], ctx)
+                        value = earlier.after_release(value, new_states[j], ctx)
         params = optax.apply_updates(state.params, value)
         if ema_decay > 0:
             ema = jax.tree.map(lambda e, p: ema_decay * e + (1 - ema_decay) * p,

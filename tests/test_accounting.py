@@ -64,3 +64,23 @@ def test_rdp_charges_truncation_overflow_to_delta():
     with pytest.raises(accounting.BudgetError, match="overflow"):
         accounting.epsilon_of(_run_event(tight, 100)(2.0), budget)
     assert accounting.epsilon_of(_run_event(loose, 100)(2.0), budget) > 0
+
+
+def test_dpbench_pld_composition_agrees_with_the_accountant_on_gaussian_events():
+    sampler = sampling.PoissonSampler(60_000, 256, seed=0)
+    budget = accounting.Budget(3.0, 1e-5)
+    event = _run_event(sampler, 500)(1.0)
+    via_accountant = accounting.epsilon_of(event, budget)
+    via_walker = float(accounting._pld_of(event, budget).get_epsilon_for_delta(1e-5))
+    assert via_walker == pytest.approx(via_accountant, rel=1e-9)
+
+
+@pytest.mark.parametrize("accountant", ["pld", "rdp"])
+def test_pure_dp_events_compose_soundly_and_not_looser_than_basic_composition(accountant):
+    budget = accounting.Budget(3.0, 1e-5, accountant)
+    pure = dp_event.SelfComposedDpEvent(accounting.PureDpEvent(0.01), 100)
+    eps = accounting.epsilon_of(pure, budget)
+    assert eps <= 100 * 0.01 + 1e-9        # never looser than basic composition
+    assert eps > 0.1                         # and not free (advanced composition scale)
+    one = accounting.epsilon_of(accounting.PureDpEvent(0.5), budget)
+    assert one == pytest.approx(0.5, abs=0.01) if accountant == "pld" else one >= 0.5

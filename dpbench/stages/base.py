@@ -40,6 +40,7 @@ class StageInfo(NamedTuple):
     expected_batch_size: float
     dataset_size: int
     param_shapes: Any  # pytree of jax.ShapeDtypeStruct
+    target_epsilon: Optional[float] = None  # the run's target; None when sigma is given
 
 
 class StepContext(NamedTuple):
@@ -84,6 +85,8 @@ class Stage:
         ``after_release(released, state, ctx) -> released``, applied by the compiler right after
         the release: post-processing with the same public state (e.g. keep noise only on the
         coordinates the mask kept).
+      reads_private: False for an AGGREGATE stage whose choices ignore the private values (e.g.
+        random-k); then it needs no ``dp_event``.
       prepare_params: ``prepare_params(params, state) -> params``, applied once to the initial
         parameters (e.g. a pre-pruning mask zeroing pruned weights); must not read private data.
       options: the factory's arguments, recorded in the run record.
@@ -101,6 +104,7 @@ class Stage:
     build: Optional[Callable] = None
     after_release: Optional[Callable] = None
     prepare_params: Optional[Callable] = None
+    reads_private: bool = True
     options: dict = dataclasses.field(default_factory=dict)
 
     @property

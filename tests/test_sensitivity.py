@@ -21,6 +21,7 @@ def _pipeline(name, l2_bound=C):
         "rs": [stages.sparsify.random_mask(final_rate=0.7)],
         "drop_random": [stages.drop.gradients(rate=0.6, criterion="random")],
         "drop_magnitude": [stages.drop.gradients(rate=0.6, criterion="magnitude")],
+        "nasr": [stages.nasr.discretize(threshold=1e-3)],
         "prune_random_drop": [stages.prune.random(sparsity=0.5),
                               stages.drop.gradients(rate=0.3, criterion="magnitude")],
     }[name]
@@ -56,7 +57,7 @@ def _largest_move(stage_list, scales=(1e2, 1e4, -1e6)):
 
 
 @pytest.mark.parametrize("name", ["dpsgd", "rs", "drop_random", "drop_magnitude",
-                                  "prune_random_drop"])
+                                  "prune_random_drop", "nasr"])
 def test_adding_one_huge_example_moves_the_sum_by_at_most_c(name):
     assert _largest_move(_pipeline(name)) <= C / N * (1 + 1e-5)
 

@@ -2,4 +2,5 @@
 
 from dpbench.stages.base import (  # noqa: F401
     Kind, Stage, StageInfo, StepContext, register_stage, registered_stage_names)
-from dpbench.stages import clip, drop, grad, noise, optimize, prune, select, sparsify  # noqa: F401,E501
+from dpbench.stages import (  # noqa: F401  (registers the built-in stages)
+    clip, drop, grad, nasr, noise, optimize, prune, select, sparsify)

@@ -195,8 +195,8 @@ def _per_step_event(sampler, releases: int,
 def compile_pipeline(stages: Sequence[Stage], *, loss_fn: Callable, init_params: Callable,
                      example_shape: tuple, sampler, budget: accounting.Budget, total_steps: int,
                      steps_per_epoch: int, micro_batch_size: int, mesh: Optional[Mesh] = None,
-                     ema_decay: float = 0.0,
-                     noise_multiplier: Optional[float] = None) -> CompiledPipeline:
+                     ema_decay: float = 0.0, noise_multiplier: Optional[float] = None,
+                     public_images=None, num_classes: int = 0) -> CompiledPipeline:
     """Validates, accounts and lowers a pipeline (see the module docstring).
 
     ``noise_multiplier=None`` calibrates sigma to the budget (the normal path). A given value is
@@ -224,11 +224,14 @@ def compile_pipeline(stages: Sequence[Stage], *, loss_fn: Callable, init_params:
     info = StageInfo(total_steps=total_steps, steps_per_epoch=steps_per_epoch,
                      expected_batch_size=sampler.expected_batch_size,
                      dataset_size=sampler.dataset_size, param_shapes=param_shapes,
-                     target_epsilon=budget.epsilon if noise_multiplier is None else None)
+                     target_epsilon=budget.epsilon if noise_multiplier is None else None,
+                     public_images=public_images, num_classes=num_classes)
     built = tuple(s.build(s, info) if s.build is not None else s for s in validated.stages)
     # Per-step costs of mechanisms other than the Gaussian release (e.g. GIP's index release).
     mechanism_events = tuple(s.dp_event(info) for s in built if s.dp_event is not None)
-    step_event = _per_step_event(sampler, len(validated.release_indices), mechanism_events)
+    # Each release adds noise to every separately bounded part of the clipped value (GEP: 2).
+    released_parts = len(validated.release_indices) * built[validated.clip_index].parts
+    step_event = _per_step_event(sampler, released_parts, mechanism_events)
     if noise_multiplier is None:
         if math.isinf(validated.sensitivity):
             raise PipelineError("the clip bound is infinite, so no noise can make the release "
@@ -262,7 +265,11 @@ def compile_pipeline(stages: Sequence[Stage], *, loss_fn: Callable, init_params:
         return value, aux
 
     def masked_sum(params, stage_states, step, step_key, batch):
-        zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, p.dtype), params)
+        example_shapes = {k: jax.ShapeDtypeStruct(v.shape[2:], v.dtype)
+                          for k, v in batch.items() if k != "mask"}
+        value_shapes = jax.eval_shape(per_example_fn, params, stage_states, step, step_key,
+                                      example_shapes, jnp.zeros((), jnp.int32))[0]
+        zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, p.dtype), value_shapes)
         positions = jnp.arange(padded, dtype=jnp.int32).reshape(micro_steps, micro_batch_size)
         examples = {k: v for k, v in batch.items() if k != "mask"}
 
@@ -292,9 +299,16 @@ def compile_pipeline(stages: Sequence[Stage], *, loss_fn: Callable, init_params:
 
     def step_fn(state: TrainState, batch: dict):
         step_key = jax.random.fold_in(jax.random.fold_in(state.key, _STEP_DOMAIN), state.step)
-        value, loss_sum = masked_sum(state.params, state.stage_states, state.step, step_key,
-                                     batch)
-        new_states = list(state.stage_states)
+        states = list(state.stage_states)
+        for i, stage in enumerate(per_example_stages):
+            if stage.begin_step is not None:
+                # Once per step, from public inputs only (params, public data, the step key).
+                ctx = StepContext(params=state.params, step=state.step,
+                                  key=jax.random.fold_in(jax.random.fold_in(step_key, i), padded),
+                                  loss_fn=loss_fn)
+                states[i] = stage.begin_step(states[i], ctx)
+        value, loss_sum = masked_sum(state.params, tuple(states), state.step, step_key, batch)
+        new_states = states
         normalized = False
         for offset, stage in enumerate(batch_stages):
             i = n_per_example + offset

@@ -106,7 +106,9 @@ def train(workdir: str | Path, config: Optional[TrainConfig] = None,
         sampler=sampler, budget=budget, total_steps=total_steps,
         steps_per_epoch=max(int(round(steps_per_epoch)), 1),
         micro_batch_size=config.micro_batch_size, mesh=mesh, ema_decay=config.ema_decay,
-        noise_multiplier=config.noise_multiplier)
+        noise_multiplier=config.noise_multiplier,
+        public_images=None if dataset.public is None else dataset.public.images,
+        num_classes=dataset.num_classes)
     calibration_s = time.time() - t0
     logging.info("pipeline %s: sigma=%.5f sensitivity=%g steps=%d q=%.5g padded batch=%d "
                  "(calibrated in %.1fs)", pipeline_name, compiled.noise_multiplier,

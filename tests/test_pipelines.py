@@ -17,7 +17,9 @@ def test_there_are_pipelines():
 @pytest.mark.parametrize("pipeline", PIPELINES)
 def test_pipeline_trains_on_digits(pipeline, tmp_path):
     files = [f"pipelines/{pipeline}", "gin/data/digits.gin"]
-    main.parse_config(files, ["train.epochs = 2", "train.log_every_steps = 5"])
+    main.parse_config(files, ["train.epochs = 2", "train.log_every_steps = 5",
+                              "dataset.public_size = 64", "gep.embed_and_clip.num_anchors = 64",
+                              "gep.embed_and_clip.num_basis = 48"])
     record = train.train(tmp_path / "run", gin_files=files)
     assert record["pipeline"] == Path(pipeline).stem
     assert record["epsilon"] <= record["target_epsilon"]

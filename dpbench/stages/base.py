@@ -41,6 +41,8 @@ class StageInfo(NamedTuple):
     dataset_size: int
     param_shapes: Any  # pytree of jax.ShapeDtypeStruct
     target_epsilon: Optional[float] = None  # the run's target; None when sigma is given
+    public_images: Any = None  # the dataset's declared public split (never private data)
+    num_classes: int = 0
 
 
 class StepContext(NamedTuple):
@@ -85,6 +87,11 @@ class Stage:
         ``after_release(released, state, ctx) -> released``, applied by the compiler right after
         the release: post-processing with the same public state (e.g. keep noise only on the
         coordinates the mask kept).
+      parts: for a clip stage, how many separately bounded parts its output has, each with
+        L2 norm <= l2_bound and each released with the same sigma (GEP: embedding + residual = 2);
+        the step then costs one Gaussian with multiplier sigma / sqrt(parts).
+      begin_step: ``begin_step(state, ctx) -> state`` for a per-example stage, run once per step
+        before the batch from public inputs only (params, public data, key): e.g. GEP's basis.
       reads_private: False for an AGGREGATE stage whose choices ignore the private values (e.g.
         random-k); then it needs no ``dp_event``.
       prepare_params: ``prepare_params(params, state) -> params``, applied once to the initial
@@ -105,6 +112,8 @@ class Stage:
     after_release: Optional[Callable] = None
     prepare_params: Optional[Callable] = None
     reads_private: bool = True
+    parts: int = 1
+    begin_step: Optional[Callable] = None
     options: dict = dataclasses.field(default_factory=dict)
 
     @property

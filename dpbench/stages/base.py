@@ -121,6 +121,13 @@ class Stage:
         return self.kind_in in (Kind.EXAMPLE, Kind.PER_EXAMPLE, Kind.BOUNDED)
 
 
+def requires_build(name: str) -> Callable:
+    """The ``apply`` of a stage whose real ``apply`` is made by its ``build`` hook."""
+    def unbuilt(*args, **kwargs):
+        raise RuntimeError(f"{name} must be built by the compiler before use")
+    return unbuilt
+
+
 _REGISTERED: dict[str, Callable] = {}
 
 

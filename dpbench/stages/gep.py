@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dpbench.stages.base import Kind, Stage, StageInfo, register_stage
+from dpbench.stages.base import Kind, Stage, StageInfo, register_stage, requires_build
 from dpbench.stages.clip import clip_to_l2
 
 
@@ -156,8 +156,7 @@ def embed_and_clip(num_basis: int = 200, num_anchors: int = 512, embedding_bound
                      l2_bound=1.0, parts=1 if biased else 2,
                      options=dict(options, basis_per_group=ks))
 
-    def unbuilt(*args):
-        raise RuntimeError("gep.embed_and_clip must be built by the compiler before use")
 
-    return Stage(name=name, kind_in=Kind.PER_EXAMPLE, kind_out=Kind.BOUNDED, apply=unbuilt,
+    return Stage(name=name, kind_in=Kind.PER_EXAMPLE, kind_out=Kind.BOUNDED,
+                 apply=requires_build(name),
                  build=build, l2_bound=1.0, parts=1 if biased else 2, options=options)

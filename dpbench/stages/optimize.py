@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import optax
 
-from dpbench.stages.base import Kind, Stage, StageInfo, register_stage
+from dpbench.stages.base import Kind, Stage, StageInfo, register_stage, requires_build
 
 OPTIMIZERS = ("sgd", "momentum", "adam")
 SCHEDULES = ("constant", "cosine", "warmup_cosine", "linear")
@@ -63,8 +63,6 @@ def optax_optimizer(optimizer: str = "momentum", learning_rate: float = 1.0,
         return Stage(name=stage.name, kind_in=stage.kind_in, kind_out=stage.kind_out,
                      apply=apply, init=init, options=stage.options)
 
-    def unbuilt(*args):
-        raise RuntimeError("optimize.optax must be built by the compiler before use")
 
     return Stage(name="optimize.optax", kind_in=Kind.RELEASED, kind_out=Kind.UPDATES,
-                 apply=unbuilt, build=build, options=options)
+                 apply=requires_build("optimize.optax"), build=build, options=options)

@@ -34,7 +34,7 @@ from jax.flatten_util import ravel_pytree
 from jax.scipy.special import gammaln
 
 from dpbench import accounting
-from dpbench.stages.base import Kind, Stage, StageInfo, register_stage
+from dpbench.stages.base import Kind, Stage, StageInfo, register_stage, requires_build
 
 SCHEDULES = ("linear", "exponential", "constant")
 
@@ -161,12 +161,11 @@ def gip(group_size: int = 256, k_start: float = 1.0, k_end: float = 0.1,
                      after_release=_mask_after_release,
                      options=dict(options, eps_index_per_step=eps_step, groups=groups))
 
-    def unbuilt(*args):
-        raise RuntimeError("select.gip must be built by the compiler before use")
 
     # Declared at factory time too, so validation sees a priced mechanism.
     return Stage(name="select.gip", kind_in=Kind.AGGREGATE, kind_out=Kind.AGGREGATE,
-                 apply=unbuilt, lipschitz=1.0, dp_event=lambda info: None, build=build,
+                 apply=requires_build("select.gip"), lipschitz=1.0,
+                 dp_event=lambda info: None, build=build,
                  options=options)
 
 
@@ -196,9 +195,8 @@ def random_k(group_size: int = 256, k_start: float = 1.0, k_end: float = 0.5,
                      apply=apply, init=init, lipschitz=1.0, reads_private=False,
                      after_release=_mask_after_release, options=options)
 
-    def unbuilt(*args):
-        raise RuntimeError("select.random_k must be built by the compiler before use")
 
     return Stage(name="select.random_k", kind_in=Kind.AGGREGATE, kind_out=Kind.AGGREGATE,
-                 apply=unbuilt, lipschitz=1.0, reads_private=False, build=build,
+                 apply=requires_build("select.random_k"), lipschitz=1.0, reads_private=False,
+                 build=build,
                  options=options)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from dpbench.stages.base import Kind, Stage, StageInfo, register_stage
+from dpbench.stages.base import Kind, Stage, StageInfo, register_stage, requires_build
 
 COOLING = ("linear", "none")
 
@@ -67,8 +67,7 @@ def random_mask(final_rate: float = 0.5, cooling: str = "linear") -> Stage:
         return Stage(name=stage.name, kind_in=Kind.PER_EXAMPLE, kind_out=Kind.PER_EXAMPLE,
                      apply=apply, init=init, after_release=after_release, options=options)
 
-    def unbuilt(*args):
-        raise RuntimeError("sparsify.random_mask must be built by the compiler before use")
 
     return Stage(name="sparsify.random_mask", kind_in=Kind.PER_EXAMPLE,
-                 kind_out=Kind.PER_EXAMPLE, apply=unbuilt, build=build, options=options)
+                 kind_out=Kind.PER_EXAMPLE, apply=requires_build("sparsify.random_mask"),
+                 build=build, options=options)

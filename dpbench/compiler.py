@@ -196,7 +196,8 @@ def compile_pipeline(stages: Sequence[Stage], *, loss_fn: Callable, init_params:
                      example_shape: tuple, sampler, budget: accounting.Budget, total_steps: int,
                      steps_per_epoch: int, micro_batch_size: int, mesh: Optional[Mesh] = None,
                      ema_decay: float = 0.0, noise_multiplier: Optional[float] = None,
-                     public_images=None, num_classes: int = 0) -> CompiledPipeline:
+                     public_images=None, num_classes: int = 0,
+                     linear_apply: Optional[Callable] = None) -> CompiledPipeline:
     """Validates, accounts and lowers a pipeline (see the module docstring).
 
     ``noise_multiplier=None`` calibrates sigma to the budget (the normal path). A given value is
@@ -225,7 +226,8 @@ def compile_pipeline(stages: Sequence[Stage], *, loss_fn: Callable, init_params:
                      expected_batch_size=sampler.expected_batch_size,
                      dataset_size=sampler.dataset_size, param_shapes=param_shapes,
                      target_epsilon=budget.epsilon if noise_multiplier is None else None,
-                     public_images=public_images, num_classes=num_classes)
+                     public_images=public_images, num_classes=num_classes,
+                     linear_apply=linear_apply, example_shape=tuple(example_shape))
     built = tuple(s.build(s, info) if s.build is not None else s for s in validated.stages)
     # Per-step costs of mechanisms other than the Gaussian release (e.g. GIP's index release).
     mechanism_events = tuple(s.dp_event(info) for s in built if s.dp_event is not None)

@@ -11,7 +11,8 @@ import jax.numpy as jnp
 from jax import lax
 
 MODELS = ("tanh_cnn", "mlp", "logistic")
-ACTIVATIONS = {"tanh": nn.tanh, "relu": nn.relu}
+# "identity" builds the linearized twin of a model (SynFlow scores: data-free, no nonlinearity).
+ACTIVATIONS = {"tanh": nn.tanh, "relu": nn.relu, "identity": lambda x: x}
 
 
 class PatchConv(nn.Module):
@@ -115,6 +116,11 @@ def make_model(num_classes: int, name: str = gin.REQUIRED, activation: str = "ta
     if name == "logistic":
         return Logistic(num_classes)
     raise ValueError(f"unknown model {name!r}; known: {', '.join(MODELS)} (set model.name)")
+
+
+def linearized(num_classes: int) -> nn.Module:
+    """The configured model with identity activations (same parameters), for SynFlow."""
+    return make_model(num_classes, activation="identity")
 
 
 def cross_entropy_loss(model: nn.Module):

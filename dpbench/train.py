@@ -108,7 +108,8 @@ def train(workdir: str | Path, config: Optional[TrainConfig] = None,
         micro_batch_size=config.micro_batch_size, mesh=mesh, ema_decay=config.ema_decay,
         noise_multiplier=config.noise_multiplier,
         public_images=None if dataset.public is None else dataset.public.images,
-        num_classes=dataset.num_classes)
+        num_classes=dataset.num_classes,
+        linear_apply=models.linearized(dataset.num_classes).apply)
     calibration_s = time.time() - t0
     logging.info("pipeline %s: sigma=%.5f sensitivity=%g steps=%d q=%.5g padded batch=%d "
                  "(calibrated in %.1fs)", pipeline_name, compiled.noise_multiplier,

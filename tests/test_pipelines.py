@@ -24,3 +24,12 @@ def test_pipeline_trains_on_digits(pipeline, tmp_path):
     assert record["pipeline"] == Path(pipeline).stem
     assert record["epsilon"] <= record["target_epsilon"]
     assert record["test_accuracy"] > 0.2
+
+
+def test_dpssgd_synflow_variant_by_binding(tmp_path):
+    files = ["pipelines/dpssgd.gin", "gin/data/digits.gin"]
+    main.parse_config(files, ["train.epochs = 2", "PRUNE = @prune.synflow()",
+                              "prune.synflow.iterations = 10"])
+    record = train.train(tmp_path / "run", gin_files=files)
+    assert [s["name"] for s in record["stages"]][1] == "prune.synflow"
+    assert record["test_accuracy"] > 0.2

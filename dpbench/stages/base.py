@@ -43,6 +43,8 @@ class StageInfo(NamedTuple):
     target_epsilon: Optional[float] = None  # the run's target; None when sigma is given
     public_images: Any = None  # the dataset's declared public split (never private data)
     num_classes: int = 0
+    linear_apply: Optional[Callable] = None  # the model with identity activations (public)
+    example_shape: tuple = ()
 
 
 class StepContext(NamedTuple):

@@ -11,7 +11,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from dpbench.stages.base import Kind, Stage, register_stage
+from dpbench.stages.base import Kind, Stage, StageInfo, register_stage, requires_build
 
 
 def is_prunable(leaf) -> bool:
@@ -58,3 +58,53 @@ def random(sparsity: float = 0.5) -> Stage:
     return _masking_stage("prune.random",
                           lambda params, key: random_layer_mask(params, key, sparsity),
                           dict(sparsity=sparsity))
+
+
+def synflow_mask(params, linear_apply, example_shape, sparsity: float, iterations: int):
+    """SynFlow (Tanaka et al. 2020): iterative, data-free, global over prunable weights.
+
+    Each round scores every weight by |theta * dR/dtheta| with R = sum f(1; |theta * mask|) on
+    the model's linearized twin (identity activations) and an all-ones input, then keeps the
+    top (1 - sparsity)^(k / iterations) fraction of prunable weights (exponential schedule).
+    """
+    prunable = jax.tree.map(is_prunable, params)
+    mask = jax.tree.map(jnp.ones_like, params)
+    ones = jnp.ones((1,) + tuple(example_shape), jnp.float32)
+
+    def flow(abs_params):
+        return jnp.sum(linear_apply(abs_params, ones))
+
+    total = sum(int(leaf.size) for leaf, p in zip(jax.tree.leaves(params),
+                                                   jax.tree.leaves(prunable)) if p)
+    for k in range(1, iterations + 1):
+        abs_params = jax.tree.map(lambda w, m: jnp.abs(w * m), params, mask)
+        grads = jax.grad(flow)(abs_params)
+        scores = jax.tree.map(lambda g, w: jnp.abs(g * w), grads, abs_params)
+        flat = jnp.concatenate([jnp.ravel(s) for s, p in zip(jax.tree.leaves(scores),
+                                                            jax.tree.leaves(prunable)) if p])
+        keep = int(round(total * (1.0 - sparsity) ** (k / iterations)))
+        threshold = jnp.sort(flat)[::-1][max(keep - 1, 0)]
+        mask = jax.tree.map(lambda s, m, p: jnp.where(p, (s >= threshold) * m, m).astype(m.dtype),
+                            scores, mask, prunable)
+    return mask
+
+
+@register_stage("prune.synflow")
+def synflow(sparsity: float = 0.5, iterations: int = 100) -> Stage:
+    """SynFlow pre-pruning: data-free (an all-ones input and the public initial weights), so it
+    costs no privacy; prunes ``sparsity`` of all weights globally."""
+    if not 0.0 <= sparsity < 1.0:
+        raise ValueError(f"prune.synflow.sparsity must lie in [0, 1), got {sparsity!r}")
+    if not isinstance(iterations, int) or iterations < 1:
+        raise ValueError(f"prune.synflow.iterations must be an integer >= 1, got {iterations!r}")
+    options = dict(sparsity=sparsity, iterations=iterations)
+
+    def build(stage: Stage, info: StageInfo) -> Stage:
+        if info.linear_apply is None:
+            raise ValueError("prune.synflow needs the model's linearized twin (the train loop "
+                             "passes it); pass linear_apply= to compile_pipeline")
+        return _masking_stage("prune.synflow", lambda params, key: synflow_mask(
+            params, info.linear_apply, info.example_shape, sparsity, iterations), options)
+
+    return Stage(name="prune.synflow", kind_in=Kind.PER_EXAMPLE, kind_out=Kind.PER_EXAMPLE,
+                 apply=requires_build("prune.synflow"), build=build, options=options)

@@ -25,11 +25,13 @@ from jax.sharding import Mesh
 
 from dpbench import accounting, sharding
 from dpbench.stages.base import PRIVATE_KINDS, Kind, Stage, StageInfo, StepContext
+from dpbench.stages.clip import clip_to_l2
+from dpbench.stages.noise import add_gaussian_noise
 
 
 # Keys for stage initialization and for steps come from disjoint subtrees of the run key, so no
 # step's noise key can coincide with a stage's initialization key.
-_STEP_DOMAIN, _INIT_DOMAIN = 0, 1
+_STEP_DOMAIN, _INIT_DOMAIN, _RELEASE_DOMAIN = 0, 1, 2
 
 
 class PipelineError(ValueError):
@@ -158,13 +160,18 @@ class CompiledPipeline:
     init_state: Callable               # (params, key) -> TrainState (placed on the mesh)
     step_event: Callable[[float], dp_event.DpEvent]
     mesh: Mesh
+    pre_events: tuple = ()             # one-off releases before training (DP-SNIP)
+    mechanism_events: tuple = ()       # per-step costs of non-Gaussian mechanisms (GIP)
+    init_noise_multiplier: Optional[float] = None
+    needs_release_batch: bool = False  # init_state needs a batch of the sampler (DP-SNIP)
 
     def run_event(self, steps: Optional[int] = None) -> dp_event.DpEvent:
         steps = self.total_steps if steps is None else steps
-        return dp_event.SelfComposedDpEvent(self.step_event(self.noise_multiplier), steps)
+        return _run_event(self.pre_events, self.step_event(self.noise_multiplier), steps,
+                          self.mechanism_events)
 
     def epsilon_after(self, steps: int) -> float:
-        if steps == 0:
+        if steps == 0 and not self.pre_events:
             return 0.0
         if self.noise_multiplier == 0:
             return math.inf
@@ -176,20 +183,31 @@ class CompiledPipeline:
                 for k, v in arrays.items()}
 
 
-def _per_step_event(sampler, releases: int,
-                    mechanism_events=()) -> Callable[[float], dp_event.DpEvent]:
-    """One step's DpEvent: the sampled Gaussian release(s) composed with other mechanisms.
+def _run_event(pre_events: tuple, step_event: dp_event.DpEvent, steps: int,
+               mechanism_events: tuple = ()) -> dp_event.DpEvent:
+    """The ledger of a run: one-off releases, then ``steps`` steps.
 
-    k Gaussian releases of the same batch with one sigma, each scaled to its own sensitivity,
-    compose to one Gaussian with multiplier sigma / sqrt(k). Other mechanisms (e.g. GIP's index
-    release) are composed as declared by their stage, without amplification by sampling.
+    Each step is a sampled Gaussian release composed with the stage mechanisms (e.g. GIP's
+    index release). Composition commutes, so the T copies of a pure eps-DP mechanism are
+    grouped into one pure (T * eps)-DP event (basic composition, as the GIP paper does):
+    composing many tiny pure-DP events one by one would be charged the PLD's discretization
+    interval each time, which overstates epsilon by orders of magnitude.
     """
-    def event(sigma):
-        gaussian = sampler.dp_event(sigma / math.sqrt(releases))
-        if not mechanism_events:
-            return gaussian
-        return dp_event.ComposedDpEvent([gaussian, *mechanism_events])
-    return event
+    events = list(pre_events)
+    if steps > 0:
+        events.append(dp_event.SelfComposedDpEvent(step_event, steps))
+        for event in mechanism_events:
+            if isinstance(event, accounting.PureDpEvent):
+                events.append(accounting.PureDpEvent(event.epsilon * steps))
+            else:
+                events.append(dp_event.SelfComposedDpEvent(event, steps))
+    return events[0] if len(events) == 1 else dp_event.ComposedDpEvent(events)
+
+
+def _per_step_event(sampler, releases: int) -> Callable[[float], dp_event.DpEvent]:
+    """One step's Gaussian release(s): k releases of the same batch with one sigma, each scaled
+    to its own sensitivity, compose to one Gaussian with multiplier sigma / sqrt(k)."""
+    return lambda sigma: sampler.dp_event(sigma / math.sqrt(releases))
 
 
 def compile_pipeline(stages: Sequence[Stage], *, loss_fn: Callable, init_params: Callable,
@@ -233,19 +251,34 @@ def compile_pipeline(stages: Sequence[Stage], *, loss_fn: Callable, init_params:
     mechanism_events = tuple(s.dp_event(info) for s in built if s.dp_event is not None)
     # Each release adds noise to every separately bounded part of the clipped value (GEP: 2).
     released_parts = len(validated.release_indices) * built[validated.clip_index].parts
-    step_event = _per_step_event(sampler, released_parts, mechanism_events)
+    step_event = _per_step_event(sampler, released_parts)
+    init_releases = [(i, s) for i, s in enumerate(built) if s.init_release is not None]
+    if len(init_releases) > 1:
+        raise PipelineError(f"stage #{init_releases[1][0]} '{init_releases[1][1].name}': only "
+                            "one stage may release private data before training")
     if noise_multiplier is None:
         if math.isinf(validated.sensitivity):
             raise PipelineError("the clip bound is infinite, so no noise can make the release "
                                 "private; set clip.global_l2.l2_bound to a finite value")
         budget.validate(sampler.dataset_size)
+        # A one-off release (DP-SNIP) gets the noise that alone spends its share of epsilon;
+        # the training sigma is then calibrated on the composition of everything.
+        init_sigma = None
+        if init_releases:
+            share = init_releases[0][1].init_release.epsilon_fraction
+            init_sigma = accounting.calibrate_noise_multiplier(
+                sampler.dp_event, dataclasses.replace(budget, epsilon=share * budget.epsilon))
+        pre_events = () if init_sigma is None else (sampler.dp_event(init_sigma),)
         sigma = accounting.calibrate_noise_multiplier(
-            lambda s: dp_event.SelfComposedDpEvent(step_event(s), total_steps), budget)
+            lambda s: _run_event(pre_events, step_event(s), total_steps, mechanism_events),
+            budget)
     else:
         sigma = float(noise_multiplier)
         if sigma < 0 or (sigma > 0 and math.isinf(validated.sensitivity)):
             raise ValueError(f"noise multiplier {sigma} with sensitivity "
                              f"{validated.sensitivity} gives no valid noise scale")
+        init_sigma = sigma if init_releases else None
+        pre_events = () if init_sigma is None else (sampler.dp_event(init_sigma),)
 
     n_per_example = validated.clip_index + 1 + sum(
         1 for s in built[validated.clip_index + 1:] if s.kind_in == Kind.BOUNDED)
@@ -341,10 +374,38 @@ def compile_pipeline(stages: Sequence[Stage], *, loss_fn: Callable, init_params:
         }
         return TrainState(params, tuple(new_states), ema, state.step + 1, state.key), metrics
 
-    def init_state_fn(params, key):
+    def release_fn(params, key, batch, init_release):
+        """The one-off release: clip each example's gradient, masked sum, Gaussian noise."""
+        def one(image, label):
+            return clip_to_l2(jax.grad(loss_fn)(params, image, label), init_release.l2_bound)
+
+        def micro_sum(total, micro):
+            values = jax.vmap(one)(micro["image"], micro["label"])
+            m = micro["mask"]
+            return jax.tree.map(lambda t, v: t + jnp.sum(jnp.where(
+                m.reshape(m.shape + (1,) * (v.ndim - 1)), v, 0.0), axis=0), total, values), None
+
+        zeros = jax.tree.map(jnp.zeros_like, params)
+        total, _ = jax.lax.scan(micro_sum, zeros, batch)
+        return add_gaussian_noise(total, key, init_sigma * init_release.l2_bound)
+
+    def init_state_fn(params, key, release_batch=None):
         init_root = jax.random.fold_in(key, _INIT_DOMAIN)
-        states = tuple(stage.init(params, jax.random.fold_in(init_root, i), info)
-                       for i, stage in enumerate(built))
+        states = []
+        for i, stage in enumerate(built):
+            stage_key = jax.random.fold_in(init_root, i)
+            if stage.init_release is not None:
+                if release_batch is None:
+                    raise ValueError(f"stage '{stage.name}' releases private data before "
+                                     "training: pass init_state(..., release_batch=...) with a "
+                                     "batch drawn by the run's sampler")
+                released = release_fn(params, jax.random.fold_in(
+                    jax.random.fold_in(key, _RELEASE_DOMAIN), i), release_batch,
+                    stage.init_release)
+                states.append(stage.init_release.init(params, released, stage_key))
+            else:
+                states.append(stage.init(params, stage_key, info))
+        states = tuple(states)
         for stage, stage_state in zip(built, states):
             if stage.prepare_params is not None:
                 params = stage.prepare_params(params, stage_state)
@@ -355,16 +416,19 @@ def compile_pipeline(stages: Sequence[Stage], *, loss_fn: Callable, init_params:
     replicated = sharding.replicated(mesh)
     batch_shard = sharding.batch_sharding(mesh)
 
-    def init_state(params, key):
+    def init_state(params, key, release_batch=None):
         # Copy: the step donates its state, which must not invalidate the caller's arrays.
-        state = jax.tree.map(lambda x: jnp.array(x, copy=True), init_state_fn(params, key))
+        state = jax.tree.map(lambda x: jnp.array(x, copy=True),
+                             init_state_fn(params, key, release_batch))
         return jax.device_put(state, replicated)
 
     batch_shapes = {"image": jax.ShapeDtypeStruct((micro_steps, micro_batch_size) +
                                                   tuple(example_shape), jnp.float32),
                     "label": jax.ShapeDtypeStruct((micro_steps, micro_batch_size), jnp.int32),
                     "mask": jax.ShapeDtypeStruct((micro_steps, micro_batch_size), jnp.bool_)}
-    state_shapes = jax.eval_shape(init_state_fn, param_shapes, key_shapes)
+    state_shapes = jax.eval_shape(
+        init_state_fn, param_shapes, key_shapes,
+        batch_shapes if init_releases else None)
     # Shape and dtype errors surface here, before any device memory is allocated.
     jax.eval_shape(step_fn, state_shapes, batch_shapes)
     jitted = jax.jit(step_fn, in_shardings=(replicated, batch_shard),
@@ -373,4 +437,6 @@ def compile_pipeline(stages: Sequence[Stage], *, loss_fn: Callable, init_params:
         stages=built, sensitivity=sensitivity, noise_multiplier=sigma, sampler=sampler,
         budget=budget, total_steps=total_steps, micro_batch_size=micro_batch_size,
         micro_steps=micro_steps, step=jitted, init_state=init_state, step_event=step_event,
-        mesh=mesh)
+        mesh=mesh, pre_events=pre_events, mechanism_events=mechanism_events,
+        init_noise_multiplier=init_sigma,
+        needs_release_batch=bool(init_releases))

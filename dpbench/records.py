@@ -101,7 +101,8 @@ def git_commit() -> str | None:
 
 def privacy_statement(*, epsilon: float, delta: float, noise_multiplier: float,
                       sensitivity: float, steps: int, sampler: dict, accountant: str,
-                      accountant_version: str, releases_per_step: int) -> dict:
+                      accountant_version: str, releases_per_step: int,
+                      one_off_releases: list = ()) -> dict:
     """The claim a run makes, with every parameter the accountant used to make it."""
     poisson = sampler.get("poisson_accounted", False)
     text = (f"({epsilon:.4g}, {delta:g})-DP under add/remove-one-example adjacency, for "
@@ -109,6 +110,10 @@ def privacy_statement(*, epsilon: float, delta: float, noise_multiplier: float,
             f"{sampler['sampling_rate']:.6g}, Gaussian noise multiplier {noise_multiplier:.6g} "
             f"on an L2 sensitivity of {sensitivity:g}, accounted by {accountant} "
             f"({accountant_version}).")
+    for release in one_off_releases:
+        text += (f" Plus one {release['stage']} release before training (the same sampler, "
+                 f"noise multiplier {release['noise_multiplier']:.6g}, L2 sensitivity "
+                 f"{release['l2_bound']:g}), composed into that epsilon.")
     if not poisson:
         text += (" WARNING: batches were shuffled fixed-size batches; the epsilon above is the "
                  "Poisson-sampling epsilon and does NOT hold for this run.")
@@ -117,6 +122,7 @@ def privacy_statement(*, epsilon: float, delta: float, noise_multiplier: float,
                 padded_batch_size=sampler.get("padded_batch_size"),
                 truncated_poisson=sampler.get("truncated", False),
                 noise_multiplier=noise_multiplier, l2_sensitivity=sensitivity,
-                releases_per_step=releases_per_step, steps=steps, delta=delta,
+                releases_per_step=releases_per_step, one_off_releases=list(one_off_releases),
+                steps=steps, delta=delta,
                 epsilon=epsilon, accountant=accountant, accountant_version=accountant_version,
                 statement=text)

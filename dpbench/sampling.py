@@ -18,6 +18,11 @@ import scipy.stats
 from dp_accounting import dp_event
 
 
+# The sampler position of a one-off release before training (DP-SNIP): a batch drawn exactly
+# like a training step's, from a position no training step uses.
+PRE_TRAINING_STEP = 2 ** 40
+
+
 class BatchIndices(NamedTuple):
     indices: np.ndarray  # int64 [padded_batch_size]; entries where mask is False are 0 (unused)
     mask: np.ndarray     # bool  [padded_batch_size]

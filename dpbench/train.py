@@ -118,7 +118,14 @@ def train(workdir: str | Path, config: Optional[TrainConfig] = None,
     workdir.mkdir(parents=True, exist_ok=True)
     records.atomic_write_text(workdir / "config.gin", gin.config_str())
 
-    state = compiled.init_state(init_params(params_key), run_key)
+    release_batch = None
+    if compiled.needs_release_batch:
+        # a one-off accounted release before training (DP-SNIP), on a batch of the same sampler
+        pre = sampler.sample(sampling.PRE_TRAINING_STEP)
+        release_batch = sharding.put_batch(compiled.batch_layout({
+            "image": dataset.train.images[pre.indices], "label": dataset.train.labels[pre.indices],
+            "mask": pre.mask}), mesh)
+    state = compiled.init_state(init_params(params_key), run_key, release_batch)
     eval_fn = jax.jit(lambda p, x, y: jnp.sum(jnp.argmax(model.apply(p, x), -1) == y))
     eval_every = config.eval_every_steps or max(int(round(steps_per_epoch)), 1)
     best = {"validation_accuracy": -1.0, "step": 0, "params": None}
@@ -164,7 +171,10 @@ def train(workdir: str | Path, config: Optional[TrainConfig] = None,
         epsilon=epsilon, delta=budget.delta, noise_multiplier=compiled.noise_multiplier,
         sensitivity=compiled.sensitivity, steps=total_steps, sampler=sampler_info,
         accountant=budget.accountant, accountant_version=accounting.accountant_version(),
-        releases_per_step=sum(1 for s in compiled.stages if s.is_release))
+        releases_per_step=sum(1 for s in compiled.stages if s.is_release),
+        one_off_releases=[dict(stage=s.name, noise_multiplier=compiled.init_noise_multiplier,
+                               l2_bound=s.init_release.l2_bound)
+                          for s in compiled.stages if s.init_release is not None])
     record = dict(
         pipeline=pipeline_name, gin_files=list(gin_files),
         stages=[dict(name=s.name, **s.options) for s in compiled.stages],

@@ -62,6 +62,14 @@ class StepContext(NamedTuple):
     sensitivity: float = 0.0
 
 
+class InitRelease(NamedTuple):
+    """A one-off Gaussian release before training (see Stage.init_release)."""
+
+    l2_bound: float
+    epsilon_fraction: float  # its noise is set so that it alone spends this share of epsilon
+    init: Callable           # (params, released_sum, key) -> stage state
+
+
 def _no_state(params, key, info):  # noqa: ARG001
     return ()
 
@@ -92,6 +100,11 @@ class Stage:
       parts: for a clip stage, how many separately bounded parts its output has, each with
         L2 norm <= l2_bound and each released with the same sigma (GEP: embedding + residual = 2);
         the step then costs one Gaussian with multiplier sigma / sqrt(parts).
+      init_release: for a stage whose initial state needs ONE accounted release of private
+        data before training (DP-SNIP): an ``InitRelease``; the compiler performs the release
+        (per-example grads, clip to ``l2_bound``, sum over a batch of the run's own sampler,
+        Gaussian noise), composes its event into the ledger, and calls
+        ``init_release.init(params, released, key) -> state`` with the released sum only.
       begin_step: ``begin_step(state, ctx) -> state`` for a per-example stage, run once per step
         before the batch from public inputs only (params, public data, key): e.g. GEP's basis.
       reads_private: False for an AGGREGATE stage whose choices ignore the private values (e.g.
@@ -115,6 +128,7 @@ class Stage:
     prepare_params: Optional[Callable] = None
     reads_private: bool = True
     parts: int = 1
+    init_release: Optional[Any] = None
     begin_step: Optional[Callable] = None
     options: dict = dataclasses.field(default_factory=dict)
 

@@ -8,10 +8,13 @@ weight, and momentum never builds up there).
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 
-from dpbench.stages.base import Kind, Stage, StageInfo, register_stage, requires_build
+from dpbench.stages.base import (
+    InitRelease, Kind, Stage, StageInfo, register_stage, requires_build)
 
 
 def is_prunable(leaf) -> bool:
@@ -108,3 +111,47 @@ def synflow(sparsity: float = 0.5, iterations: int = 100) -> Stage:
 
     return Stage(name="prune.synflow", kind_in=Kind.PER_EXAMPLE, kind_out=Kind.PER_EXAMPLE,
                  apply=requires_build("prune.synflow"), build=build, options=options)
+
+
+def top_fraction_mask(scores, params, keep_fraction: float):
+    """Keeps the top keep_fraction of prunable weights by score, globally; biases are kept."""
+    prunable = jax.tree.map(is_prunable, params)
+    flat = jnp.concatenate([jnp.ravel(s) for s, p in zip(jax.tree.leaves(scores),
+                                                        jax.tree.leaves(prunable)) if p])
+    keep = max(int(round(flat.size * keep_fraction)), 1)
+    threshold = jnp.sort(flat)[::-1][keep - 1]
+    return jax.tree.map(lambda s, w, p: jnp.where(p, s >= threshold, True).astype(w.dtype),
+                        scores, params, prunable)
+
+
+def _needs_release(params, key):
+    raise RuntimeError("prune.dp_snip's state comes from its accounted release; the compiler "
+                       "calls init_release.init")
+
+
+@register_stage("prune.dp_snip")
+def dp_snip(sparsity: float = 0.5, l2_bound: float = 1.0,
+            epsilon_fraction: float = 0.1) -> Stage:
+    """DP-SNIP pre-pruning: SNIP's connection sensitivity |theta * g| with g a DIFFERENTIALLY
+    PRIVATE gradient sum, released once before training (clip each example to ``l2_bound``,
+    sum over one batch of the run's Poisson sampler, Gaussian noise). The compiler performs and
+    accounts the release: its noise alone spends ``epsilon_fraction`` of epsilon, and the
+    training sigma is calibrated on the composition, so its cost shows in the reported epsilon.
+    """
+    if not 0.0 <= sparsity < 1.0:
+        raise ValueError(f"prune.dp_snip.sparsity must lie in [0, 1), got {sparsity!r}")
+    if not 0.0 < epsilon_fraction < 1.0:
+        raise ValueError(f"prune.dp_snip.epsilon_fraction must lie in (0, 1), "
+                         f"got {epsilon_fraction!r}")
+    if not l2_bound > 0:
+        raise ValueError(f"prune.dp_snip.l2_bound must be > 0, got {l2_bound!r}")
+
+    def init_from_release(params, released, key):
+        del key
+        scores = jax.tree.map(lambda w, g: jnp.abs(w * g), params, released)
+        return {"mask": top_fraction_mask(scores, params, 1.0 - sparsity)}
+
+    stage = _masking_stage("prune.dp_snip", _needs_release, dict(
+        sparsity=sparsity, l2_bound=l2_bound, epsilon_fraction=epsilon_fraction))
+    return dataclasses.replace(stage, init_release=InitRelease(
+        l2_bound=l2_bound, epsilon_fraction=epsilon_fraction, init=init_from_release))

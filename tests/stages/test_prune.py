@@ -1,6 +1,7 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from dpbench import stages
 from tests.conftest import compile_small, make_batch, random_data
@@ -53,3 +54,45 @@ def test_synflow_prunes_the_global_fraction_without_collapsing_a_layer():
     again = prune.synflow_mask(params, twin.apply, (28, 28, 1), sparsity=0.8, iterations=20)
     for a, b in zip(jax.tree.leaves(mask), jax.tree.leaves(again)):
         np.testing.assert_array_equal(a, b)
+
+
+def _snip_pipeline():
+    return [stages.grad.per_example(), stages.prune.dp_snip(sparsity=0.5, l2_bound=1.0,
+                                                            epsilon_fraction=0.2),
+            stages.clip.global_l2(1.0), stages.noise.gaussian(),
+            stages.optimize.optax_optimizer(optimizer="sgd", learning_rate=0.5)]
+
+
+def test_dp_snip_release_is_in_the_ledger_and_costs_epsilon():
+    from dpbench import accounting
+    budget = accounting.Budget(2.0, 1e-4)
+    snip, _, _ = compile_small(_snip_pipeline(), n=1000, batch_size=50, micro=10,
+                               budget=budget, total_steps=100)
+    base, _, _ = compile_small([s for i, s in enumerate(_snip_pipeline()) if i != 1], n=1000,
+                               batch_size=50, micro=10, budget=budget, total_steps=100)
+    assert snip.needs_release_batch and len(snip.pre_events) == 1
+    assert snip.epsilon_after(0) > 0                       # spent before the first step
+    assert 2.0 - 1e-3 < snip.epsilon_after(100) <= 2.0     # the whole run meets the target
+    assert snip.noise_multiplier > base.noise_multiplier   # so training noise is larger
+    # the one-off release alone spends about its share (20%) of epsilon
+    alone = accounting.epsilon_of(snip.pre_events[0], budget)
+    assert alone == pytest.approx(0.4, abs=1e-3)
+
+
+def test_dp_snip_prunes_from_the_release_and_needs_a_sampler_batch():
+    compiled, init_params, _ = compile_small(_snip_pipeline(), n=64, batch_size=16, micro=8,
+                                             noise_multiplier=1.0, model_name="mlp")
+    images, labels = random_data(64)
+    params = init_params(jax.random.key(0))
+    with pytest.raises(ValueError, match="release_batch"):
+        compiled.init_state(params, jax.random.key(1))
+    from dpbench import sampling
+    b = compiled.sampler.sample(sampling.PRE_TRAINING_STEP)
+    state = compiled.init_state(params, jax.random.key(1),
+                                make_batch(compiled, images, labels, b.indices, b.mask))
+    mask = jax.tree.map(np.asarray, state.stage_states[1]["mask"])
+    kernels = [m for m in jax.tree.leaves(mask) if m.ndim >= 2]
+    kept = sum(m.sum() for m in kernels) / sum(m.size for m in kernels)
+    assert abs(kept - 0.5) < 0.01
+    for p, m in zip(jax.tree.leaves(state.params), jax.tree.leaves(mask)):
+        assert np.all(np.asarray(p)[m == 0] == 0)

@@ -92,7 +92,7 @@ def test_gip_index_cost_shows_in_the_ledger():
     assert gip.noise_multiplier > base.noise_multiplier  # the index release costs epsilon
     # ... about its 1% share, not more: composing T tiny pure-DP events one by one through the
     # PLD's discretization once charged ~1e-3 each and inflated sigma by ~25% (regression test)
-    assert gip.noise_multiplier < 1.02 * base.noise_multiplier
+    assert gip.noise_multiplier < 1.005 * base.noise_multiplier  # the old way gave 1.015
     assert gip.epsilon_after(100) <= 2.0 and 2.0 - gip.epsilon_after(100) < 1e-3
     # the Gaussian part alone at GIP's sigma stays below the target: the rest is the indices
     alone = accounting.epsilon_of(base.run_event(100).__class__(

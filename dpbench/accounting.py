@@ -226,3 +226,28 @@ def calibrate_noise_multiplier(make_event: Callable[[float], dp_event.DpEvent],
     if epsilon_at(sigma) > budget.epsilon:  # must never happen; a guard, not a fallback
         raise AssertionError(f"calibration overshot the target epsilon at sigma={sigma}")
     return float(sigma)
+
+
+def event_to_json(event: dp_event.DpEvent):
+    """A DpEvent as plain JSON (class name plus fields), for the ledger in checkpoints and
+    records: anyone can rebuild the composed event and recompute epsilon from it."""
+    if isinstance(event, dp_event.DpEvent):
+        fields = {f.name: event_to_json(getattr(event, f.name))
+                  for f in attr.fields(type(event))}
+        return {"class": type(event).__name__, **fields}
+    if isinstance(event, (list, tuple)):
+        return [event_to_json(e) for e in event]
+    return event
+
+
+def event_from_json(obj):
+    """Inverse of :func:`event_to_json`: rebuilds the DpEvent a ledger or record holds."""
+    if isinstance(obj, list):
+        return [event_from_json(o) for o in obj]
+    if isinstance(obj, dict) and "class" in obj:
+        name = obj["class"]
+        cls = PureDpEvent if name == "PureDpEvent" else getattr(dp_event, name, None)
+        if cls is None:
+            raise ValueError(f"unknown DpEvent class {name!r} in a ledger")
+        return cls(**{k: event_from_json(v) for k, v in obj.items() if k != "class"})
+    return obj

@@ -25,7 +25,7 @@ from jax.sharding import Mesh
 
 from dpbench import accounting, sharding
 from dpbench.stages.base import PRIVATE_KINDS, Kind, Stage, StageInfo, StepContext
-from dpbench.stages.clip import clip_to_l2
+from dpbench.stages.clip import clip_to_l2, zero_if_nonfinite
 from dpbench.stages.noise import add_gaussian_noise
 
 
@@ -164,11 +164,31 @@ class CompiledPipeline:
     mechanism_events: tuple = ()       # per-step costs of non-Gaussian mechanisms (GIP)
     init_noise_multiplier: Optional[float] = None
     needs_release_batch: bool = False  # init_state needs a batch of the sampler (DP-SNIP)
+    state_shapes: Any = None           # shape-only TrainState (restore targets)
 
     def run_event(self, steps: Optional[int] = None) -> dp_event.DpEvent:
         steps = self.total_steps if steps is None else steps
         return _run_event(self.pre_events, self.step_event(self.noise_multiplier), steps,
                           self.mechanism_events)
+
+    def steps_within_budget(self) -> int:
+        """The largest number of steps (<= total_steps) whose epsilon is <= the target.
+
+        With a calibrated sigma that is total_steps; with a given noise multiplier a run stops
+        there instead of spending past its budget.
+        """
+        if self.epsilon_after(self.total_steps) <= self.budget.epsilon:
+            return self.total_steps
+        low, high = 0, self.total_steps  # epsilon_after(low) <= target < epsilon_after(high)
+        if self.epsilon_after(0) > self.budget.epsilon:
+            return -1  # the one-off release alone exceeds the budget
+        while high - low > 1:
+            mid = (low + high) // 2
+            if self.epsilon_after(mid) <= self.budget.epsilon:
+                low = mid
+            else:
+                high = mid
+        return low
 
     def epsilon_after(self, steps: int) -> float:
         if steps == 0 and not self.pre_events:
@@ -289,15 +309,20 @@ def compile_pipeline(stages: Sequence[Stage], *, loss_fn: Callable, init_params:
 
     def per_example_fn(params, stage_states, step, step_key, example, position):
         value, aux = example, {}
+        nonfinite = jnp.zeros((), jnp.float32)
         for i, stage in enumerate(per_example_stages):
             ctx = StepContext(params=params, step=step,
                               key=jax.random.fold_in(jax.random.fold_in(step_key, i), position),
                               loss_fn=loss_fn)
+            if i == validated.clip_index:
+                # A non-finite gradient would turn the clipped sum into NaN; zero has norm 0,
+                # so replacing it keeps the clip's bound (and the sensitivity) intact.
+                value, nonfinite = zero_if_nonfinite(value)
             if stage.kind_in == Kind.EXAMPLE:
                 value, aux = stage.apply(value, stage_states[i], ctx)
             else:
                 value = stage.apply(value, stage_states[i], ctx)
-        return value, aux
+        return value, dict(aux, nonfinite=nonfinite)
 
     def masked_sum(params, stage_states, step, step_key, batch):
         example_shapes = {k: jax.ShapeDtypeStruct(v.shape[2:], v.dtype)
@@ -318,19 +343,23 @@ def compile_pipeline(stages: Sequence[Stage], *, loss_fn: Callable, init_params:
                 m = mask.reshape(mask.shape + (1,) * (v.ndim - 1))
                 return jnp.sum(jnp.where(m, v, jnp.zeros_like(v)), axis=0)
 
-            return jax.tree.map(masked, values), masked(aux["loss"])
+            # The loss diagnostic skips examples whose gradient was zeroed as non-finite.
+            loss = jnp.where(aux["nonfinite"] > 0, 0.0, aux["loss"])
+            return jax.tree.map(masked, values), (masked(loss), masked(aux["nonfinite"]))
+
+        no_diagnostics = (jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32))
 
         def body(carry, micro):
-            total, loss_sum = carry
+            total, diagnostics = carry
             # A micro-batch with no real example contributes exactly zero: skip its compute.
-            part, part_loss = jax.lax.cond(
-                jnp.any(micro[1]), compute,
-                lambda _: (zeros, jnp.zeros((), jnp.float32)), micro)
-            return (jax.tree.map(jnp.add, total, part), loss_sum + part_loss), None
+            part, part_diagnostics = jax.lax.cond(
+                jnp.any(micro[1]), compute, lambda _: (zeros, no_diagnostics), micro)
+            return (jax.tree.map(jnp.add, total, part),
+                    jax.tree.map(jnp.add, diagnostics, part_diagnostics)), None
 
-        (total, loss_sum), _ = jax.lax.scan(
-            body, (zeros, jnp.zeros((), jnp.float32)), (examples, batch["mask"], positions))
-        return total, loss_sum
+        (total, (loss_sum, nonfinite)), _ = jax.lax.scan(
+            body, (zeros, no_diagnostics), (examples, batch["mask"], positions))
+        return total, loss_sum, nonfinite
 
     def step_fn(state: TrainState, batch: dict):
         step_key = jax.random.fold_in(jax.random.fold_in(state.key, _STEP_DOMAIN), state.step)
@@ -342,7 +371,8 @@ def compile_pipeline(stages: Sequence[Stage], *, loss_fn: Callable, init_params:
                                   key=jax.random.fold_in(jax.random.fold_in(step_key, i), padded),
                                   loss_fn=loss_fn)
                 states[i] = stage.begin_step(states[i], ctx)
-        value, loss_sum = masked_sum(state.params, tuple(states), state.step, step_key, batch)
+        value, loss_sum, nonfinite = masked_sum(state.params, tuple(states), state.step,
+                                                step_key, batch)
         new_states = states
         normalized = False
         for offset, stage in enumerate(batch_stages):
@@ -369,15 +399,19 @@ def compile_pipeline(stages: Sequence[Stage], *, loss_fn: Callable, init_params:
         count = jnp.sum(batch["mask"])
         metrics = {
             # Diagnostics computed from the private batch; never fed back into training.
-            "train_loss": loss_sum / jnp.maximum(count, 1),
+            "train_loss": loss_sum / jnp.maximum(count - nonfinite, 1),
+            # True when every real example of the batch had a non-finite gradient.
+            "all_nonfinite": (count > 0) & (nonfinite >= count),
             "update_norm": optax.tree.norm(value),
+            "nonfinite_examples": nonfinite,  # per-example gradients zeroed before the clip
         }
         return TrainState(params, tuple(new_states), ema, state.step + 1, state.key), metrics
 
     def release_fn(params, key, batch, init_release):
         """The one-off release: clip each example's gradient, masked sum, Gaussian noise."""
         def one(image, label):
-            return clip_to_l2(jax.grad(loss_fn)(params, image, label), init_release.l2_bound)
+            grads, _ = zero_if_nonfinite(jax.grad(loss_fn)(params, image, label))
+            return clip_to_l2(grads, init_release.l2_bound)
 
         def micro_sum(total, micro):
             values = jax.vmap(one)(micro["image"], micro["label"])
@@ -439,4 +473,4 @@ def compile_pipeline(stages: Sequence[Stage], *, loss_fn: Callable, init_params:
         micro_steps=micro_steps, step=jitted, init_state=init_state, step_event=step_event,
         mesh=mesh, pre_events=pre_events, mechanism_events=mechanism_events,
         init_noise_multiplier=init_sigma,
-        needs_release_batch=bool(init_releases))
+        needs_release_batch=bool(init_releases), state_shapes=state_shapes)

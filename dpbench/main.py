@@ -9,7 +9,7 @@ import gin
 from absl import app, flags, logging
 
 import dpbench.stages  # noqa: F401  (registers the stages with gin)
-from dpbench import accounting, compiler, data, train
+from dpbench import accounting, checkpoint, compiler, train
 from dpbench.stages.base import registered_stage_names
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -17,7 +17,10 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 FLAGS = flags.FLAGS
 flags.DEFINE_multi_string("gin_file", [], "Gin files, applied in order (later ones override).")
 flags.DEFINE_multi_string("gin_bindings", [], "Gin bindings, applied after the files.")
-flags.DEFINE_string("workdir", None, "Where the run writes its config, metrics and record.")
+flags.DEFINE_string("workdir", None, "Where the run writes its config, checkpoints, metrics "
+                    "and record. An unfinished run there is resumed.")
+flags.DEFINE_bool("overwrite", False, "Start again in a --workdir that holds a finished run "
+                  "(the old run is moved to <workdir>/superseded/, never deleted).")
 
 
 class ConfigError(ValueError):
@@ -54,9 +57,10 @@ def main(argv) -> None:
         raise app.UsageError("give at least one --gin_file, e.g. pipelines/dpsgd.gin")
     try:
         parse_config(FLAGS.gin_file, FLAGS.gin_bindings)
-        train.train(FLAGS.workdir, gin_files=FLAGS.gin_file)
+        train.train(FLAGS.workdir, gin_files=FLAGS.gin_file, overwrite=FLAGS.overwrite)
     except (ConfigError, compiler.PipelineError, accounting.BudgetError, FileNotFoundError,
-            FileExistsError, ValueError) as e:
+            FileExistsError, ValueError, checkpoint.CheckpointError,
+            train.TrainingDiverged) as e:
         logging.error("%s: %s", type(e).__name__, e)
         print(f"dpbench: error: {e}", file=sys.stderr)
         sys.exit(2)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import datetime
+import json
 import math
 import secrets
 import time
@@ -15,7 +17,8 @@ import jax.numpy as jnp
 import numpy as np
 from absl import logging
 
-from dpbench import accounting, compiler, data, models, records, sampling, sharding
+from dpbench import (accounting, checkpoint, compiler, data, models, records, sampling,
+                     sharding)
 from dpbench.stages.base import Stage
 
 
@@ -33,7 +36,11 @@ class TrainConfig:
     batch_size is the EXPECTED batch size B; the sampling rate is q = B / N.
     seed=None draws every key from the OS and writes none of them anywhere (for a run that is
     meant to be released); an integer seed makes a benchmark run reproducible.
-    noise_multiplier=None calibrates sigma to the budget; a number is for non-private baselines.
+    noise_multiplier=None calibrates sigma to the budget. A given number is used as is and the
+    run stops at the last step whose epsilon fits the budget (the record says why), unless
+    enforce_budget=False (a non-private baseline; the record then says the budget was ignored).
+    A checkpoint (with the privacy ledger) is written every checkpoint_every_steps steps and at
+    the end; the newest checkpoints_to_keep are kept.
     """
 
     batch_size: int = 256
@@ -45,6 +52,9 @@ class TrainConfig:
     log_every_steps: int = 50
     eval_batch_size: int = 1000
     noise_multiplier: Optional[float] = None
+    enforce_budget: bool = True
+    checkpoint_every_steps: int = 200
+    checkpoints_to_keep: int = 2
 
     def validate(self):
         if not isinstance(self.batch_size, int) or self.batch_size <= 0:
@@ -52,6 +62,10 @@ class TrainConfig:
                              f"{self.batch_size!r}")
         if not isinstance(self.epochs, (int, float)) or not self.epochs > 0:
             raise ValueError(f"train.epochs must be > 0, got {self.epochs!r}")
+        for name in ("checkpoint_every_steps", "log_every_steps", "checkpoints_to_keep"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"train.{name} must be a positive integer, got {value!r}")
 
 
 def _evaluate(apply_fn, params, split: data.Split, batch_size: int) -> float:
@@ -63,27 +77,103 @@ def _evaluate(apply_fn, params, split: data.Split, batch_size: int) -> float:
     return correct / max(len(split), 1)
 
 
-def check_workdir(workdir: Path) -> None:
-    record = Path(workdir) / records.RECORD_NAME
+class WorkdirError(ValueError):
+    """A --workdir that cannot hold a run (finished, or not writable)."""
+
+
+class ResumeError(ValueError):
+    """A workdir whose checkpoint was written under different settings."""
+
+
+class TrainingDiverged(RuntimeError):
+    """The loss or the parameters became non-finite; the last good checkpoint is kept."""
+
+
+CHECKPOINTS = "checkpoints"
+SUPERSEDED = "superseded"
+
+
+def prepare_workdir(workdir: Path, overwrite: bool = False) -> None:
+    """Refuses a finished run (or archives it under superseded/ with ``overwrite``) and checks
+    that the workdir is writable, before any data is loaded."""
+    record = workdir / records.RECORD_NAME
     if record.exists():
-        raise FileExistsError(f"{record} holds a finished run; pick a new --workdir (finished "
-                              "results are never overwritten)")
+        if not overwrite:
+            raise WorkdirError(f"{record} holds a finished run; pick a new --workdir, or pass "
+                               "--overwrite to move that run into superseded/ and start again "
+                               "(finished results are never deleted)")
+        stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%S.%fZ")
+        archive = workdir / SUPERSEDED / stamp
+        archive.mkdir(parents=True)
+        for entry in workdir.iterdir():
+            if entry.name != SUPERSEDED:
+                entry.rename(archive / entry.name)
+        logging.warning("moved the finished run in %s to %s", workdir, archive)
+    try:
+        workdir.mkdir(parents=True, exist_ok=True)
+        probe = workdir / ".write_probe"
+        records.atomic_write_text(probe, "ok")
+        probe.unlink()
+    except OSError as e:
+        raise WorkdirError(f"cannot write to --workdir {workdir}: {e}; pick a writable "
+                           "directory with free space") from e
+
+
+def _params_finite(params) -> bool:
+    return bool(jax.device_get(jnp.all(jnp.stack(
+        [jnp.all(jnp.isfinite(leaf)) for leaf in jax.tree.leaves(params)]))))
+
+
+def _truncate_metrics(workdir: Path, last_step: int) -> None:
+    """Drops metric rows of steps after ``last_step`` (steps a resumed run will redo)."""
+    rows = [r for r in records.read_metrics(workdir) if r.get("step", 0) <= last_step]
+    records.atomic_write_text(workdir / records.METRICS_NAME,
+                              "".join(json.dumps(r) + "\n" for r in rows))
+
+
+def run_settings(*, pipeline_name, compiled, dataset, config: TrainConfig, budget,
+                 model_name) -> dict:
+    """Every setting a checkpoint's privacy ledger (and its model) depends on: resuming under a
+    change to any of them is refused."""
+    settings = dict(
+        pipeline=pipeline_name,
+        stages=[dict(name=s.name, **s.options) for s in compiled.stages],
+        dataset=dataset.name, dataset_size=len(dataset.train),
+        validation_size=len(dataset.validation),
+        public_size=0 if dataset.public is None else len(dataset.public),
+        model=model_name, batch_size=config.batch_size,
+        micro_batch_size=config.micro_batch_size, epochs=config.epochs,
+        total_steps=compiled.total_steps, sampler=compiled.sampler.describe(), seed=config.seed,
+        target_epsilon=budget.epsilon, delta=budget.delta, accountant=budget.accountant,
+        accountant_version=accounting.accountant_version(),
+        noise_multiplier=compiled.noise_multiplier,
+        init_noise_multiplier=compiled.init_noise_multiplier,
+        l2_sensitivity=compiled.sensitivity, ema_decay=config.ema_decay,
+        enforce_budget=config.enforce_budget)
+    return json.loads(records.to_json(settings))  # the form the ledger stores
 
 
 def train(workdir: str | Path, config: Optional[TrainConfig] = None,
-          budget: Optional[accounting.Budget] = None, gin_files: Sequence[str] = ()) -> dict:
-    """Trains the configured pipeline and writes metrics and the run record into ``workdir``."""
+          budget: Optional[accounting.Budget] = None, gin_files: Sequence[str] = (),
+          overwrite: bool = False) -> dict:
+    """Trains the configured pipeline and writes metrics and the run record into ``workdir``.
+
+    A workdir holding checkpoints of an unfinished run is resumed from its newest intact
+    checkpoint (same settings required); one holding a finished run is refused unless
+    ``overwrite``.
+    """
     wall_start = time.time()
     workdir = Path(workdir)
-    check_workdir(workdir)
     config = TrainConfig() if config is None else config
     config.validate()
     budget = accounting.Budget() if budget is None else budget
     pipeline_name, stages = pipeline_stages()
     compiler.validate_pipeline(stages)  # fail on a bad pipeline before loading any data
+    prepare_workdir(workdir, overwrite)
     dataset = data.load_dataset()
     n = len(dataset.train)
     budget.validate(n)
+    model_name = gin.query_parameter("model.name")
     model = models.make_model(dataset.num_classes)
     loss_fn = models.cross_entropy_loss(model)
     example_shape = dataset.input_shape
@@ -115,23 +205,93 @@ def train(workdir: str | Path, config: Optional[TrainConfig] = None,
                  "(calibrated in %.1fs)", pipeline_name, compiled.noise_multiplier,
                  compiled.sensitivity, total_steps, sampler.sampling_rate,
                  sampler.padded_batch_size, calibration_s)
-    workdir.mkdir(parents=True, exist_ok=True)
-    records.atomic_write_text(workdir / "config.gin", gin.config_str())
 
-    release_batch = None
-    if compiled.needs_release_batch:
-        # a one-off accounted release before training (DP-SNIP), on a batch of the same sampler
-        pre = sampler.sample(sampling.PRE_TRAINING_STEP)
-        release_batch = sharding.put_batch(compiled.batch_layout({
-            "image": dataset.train.images[pre.indices], "label": dataset.train.labels[pre.indices],
-            "mask": pre.mask}), mesh)
-    state = compiled.init_state(init_params(params_key), run_key, release_batch)
+    stop_reason = "completed all steps"
+    end_step = total_steps
+    if config.enforce_budget:
+        end_step = compiled.steps_within_budget()
+        if end_step <= 0:
+            raise accounting.BudgetError(
+                f"noise multiplier {compiled.noise_multiplier} spends epsilon="
+                f"{budget.epsilon} before the first step ends; raise train.noise_multiplier, "
+                "leave it unset to calibrate it, or set train.enforce_budget = False for a "
+                "non-private baseline")
+        if end_step < total_steps:
+            stop_reason = (f"privacy budget reached: only {end_step} of {total_steps} steps fit "
+                           f"in epsilon={budget.epsilon} with noise multiplier "
+                           f"{compiled.noise_multiplier}")
+            logging.warning("%s; the run stops there", stop_reason)
+    else:
+        stop_reason = "completed all steps (budget NOT enforced: not a private run)"
+
+    settings = run_settings(pipeline_name=pipeline_name, compiled=compiled, dataset=dataset,
+                            config=config, budget=budget, model_name=model_name)
+    records.atomic_write_text(workdir / "config.gin", gin.config_str())
+    ckpts = checkpoint.RunCheckpoints(workdir / CHECKPOINTS,
+                                      max_to_keep=config.checkpoints_to_keep,
+                                      save_key=config.seed is not None)
+    replicated = sharding.replicated(mesh)
+    resumed_from = []
+    latest = ckpts.latest_step()
+    if latest is None:
+        release_batch = None
+        if compiled.needs_release_batch:
+            # a one-off accounted release before training (DP-SNIP), on a batch of the sampler
+            pre = sampler.sample(sampling.PRE_TRAINING_STEP)
+            release_batch = sharding.put_batch(compiled.batch_layout({
+                "image": dataset.train.images[pre.indices],
+                "label": dataset.train.labels[pre.indices], "mask": pre.mask}), mesh)
+        state = compiled.init_state(init_params(params_key), run_key, release_batch)
+        best = {"validation_accuracy": -1.0, "step": 0,
+                "params": checkpoint.to_host(state.params)}
+        nonfinite_total = 0.0
+    else:
+        ledger = ckpts.read_ledger(latest)
+        changed = checkpoint.changed_settings(ledger["settings"], settings)
+        if changed:
+            raise ResumeError(
+                f"{workdir} holds a run started with other settings; resuming it would change "
+                f"its privacy accounting or model. Changed: {'; '.join(changed)}. Restore "
+                "those settings, or pick a new --workdir")
+        restored = ckpts.restore(latest, state_shapes=compiled.state_shapes,
+                                 best_shapes=compiled.state_shapes.params, sharding=replicated)
+        state = restored.state
+        if config.seed is None:
+            # A release run never wrote its key: the rest of the run gets fresh OS randomness.
+            state = state._replace(key=jax.device_put(run_key, replicated))
+        epsilon_then = compiled.epsilon_after(latest)
+        if not math.isclose(epsilon_then, ledger["epsilon_spent"], rel_tol=1e-9):
+            raise ResumeError(f"the ledger of step {latest} says epsilon "
+                              f"{ledger['epsilon_spent']} was spent, the accountant now says "
+                              f"{epsilon_then}; pick a new --workdir")
+        best = {"validation_accuracy": ledger["best_validation_accuracy"],
+                "step": ledger["best_step"],
+                "params": checkpoint.to_host(restored.best_params)}
+        nonfinite_total = float(ledger["nonfinite_examples"])
+        resumed_from = list(ledger["resumed_from"]) + [latest]
+        _truncate_metrics(workdir, latest)
+        logging.info("resuming %s from its checkpoint at step %d (epsilon spent %.4f)",
+                     workdir, latest, epsilon_then)
+    start_step = int(jax.device_get(state.step))
+    last_saved = latest
+
+    def save_checkpoint(done: int, epsilon: float) -> None:
+        ledger = dict(
+            format=1, step=done, settings=settings,
+            settings_sha256=checkpoint.settings_digest(settings), epsilon_spent=epsilon,
+            dp_event=accounting.event_to_json(compiled.run_event(done)),
+            best_validation_accuracy=best["validation_accuracy"], best_step=best["step"],
+            resumed_from=resumed_from, nonfinite_examples=nonfinite_total,
+            key_saved=config.seed is not None)
+        ckpts.save(state, best_params=best["params"],
+                   ledger=json.loads(records.to_json(ledger)))
+
     eval_fn = jax.jit(lambda p, x, y: jnp.sum(jnp.argmax(model.apply(p, x), -1) == y))
     eval_every = config.eval_every_steps or max(int(round(steps_per_epoch)), 1)
-    best = {"validation_accuracy": -1.0, "step": 0, "params": None}
     interval_step_s = []  # seconds per step over each log interval (first one holds compile)
-    last_log_time, last_log_step = time.time(), 0
-    for step in range(total_steps):
+    last_log_time, last_log_step = time.time(), start_step
+    nonfinite_device = jnp.zeros((), jnp.float32)
+    for step in range(start_step, end_step):
         indices = sampler.sample(step)
         batch = compiled.batch_layout({
             "image": dataset.train.images[indices.indices],
@@ -139,37 +299,53 @@ def train(workdir: str | Path, config: Optional[TrainConfig] = None,
             "mask": indices.mask})
         batch = sharding.put_batch(batch, mesh)
         state, metrics = compiled.step(state, batch)
+        nonfinite_device = nonfinite_device + metrics["nonfinite_examples"]
         done = step + 1
-        if done % config.log_every_steps == 0 or done == total_steps:
-            jax.block_until_ready(state)
-            now = time.time()
-            rate = (done - last_log_step) / max(now - last_log_time, 1e-9)
-            interval_step_s.append(1.0 / rate)
-            last_log_time, last_log_step = now, done
-            epsilon = compiled.epsilon_after(done)
-            loss = float(metrics["train_loss"])
-            logging.info("step %d/%d  %.2f steps/s  epsilon spent %.4f  loss %.4f",
-                         done, total_steps, rate, epsilon, loss)
-            records.append_metrics(workdir, dict(step=done, steps_per_s=rate, epsilon=epsilon,
-                                                 train_loss=loss, wall_s=now - wall_start))
-            if not math.isfinite(loss):
-                raise FloatingPointError(f"training loss became {loss} at step {done}; lower "
-                                         "optimize.optax.learning_rate")
-        if done % eval_every == 0 or done == total_steps:
+        if done % eval_every == 0 or done == end_step:
             params = state.ema_params if config.ema_decay > 0 else state.params
             val_acc = _evaluate(eval_fn, params, dataset.validation, config.eval_batch_size)
             logging.info("step %d  validation accuracy %.4f", done, val_acc)
             records.append_metrics(workdir, dict(step=done, validation_accuracy=val_acc))
             if val_acc > best["validation_accuracy"]:
                 best = {"validation_accuracy": val_acc, "step": done,
-                        "params": jax.device_get(params)}
+                        "params": checkpoint.to_host(params)}
+        log_now = done % config.log_every_steps == 0 or done == end_step
+        save_now = done % config.checkpoint_every_steps == 0 or done == end_step
+        if not (log_now or save_now):
+            continue
+        jax.block_until_ready(state)
+        now = time.time()
+        loss = float(metrics["train_loss"])
+        nonfinite_total += float(nonfinite_device)
+        nonfinite_device = jnp.zeros((), jnp.float32)
+        if (not math.isfinite(loss) or bool(metrics["all_nonfinite"])
+                or (save_now and not _params_finite(state.params))):
+            raise TrainingDiverged(
+                f"training diverged at step {done} (train loss {loss}); the last good "
+                f"checkpoint is step {last_saved} in {ckpts.directory}. Lower "
+                "optimize.optax.learning_rate and start a new --workdir")
+        epsilon = compiled.epsilon_after(done)
+        if log_now:
+            rate = (done - last_log_step) / max(now - last_log_time, 1e-9)
+            interval_step_s.append(1.0 / rate)
+            last_log_time, last_log_step = now, done
+            logging.info("step %d/%d  %.2f steps/s  epsilon spent %.4f  loss %.4f",
+                         done, total_steps, rate, epsilon, loss)
+            records.append_metrics(workdir, dict(
+                step=done, steps_per_s=rate, epsilon=epsilon, train_loss=loss,
+                nonfinite_examples=nonfinite_total, wall_s=now - wall_start))
+        if save_now:
+            save_checkpoint(done, epsilon)
+            last_saved = done
+    if start_step == end_step:
+        logging.info("the checkpoint at step %d already holds the whole run", end_step)
     test_acc = _evaluate(eval_fn, best["params"], dataset.test, config.eval_batch_size)
-    epsilon = compiled.epsilon_after(total_steps)
+    epsilon = compiled.epsilon_after(end_step)
     steady = interval_step_s[1:] or interval_step_s
     sampler_info = sampler.describe()
     statement = records.privacy_statement(
         epsilon=epsilon, delta=budget.delta, noise_multiplier=compiled.noise_multiplier,
-        sensitivity=compiled.sensitivity, steps=total_steps, sampler=sampler_info,
+        sensitivity=compiled.sensitivity, steps=end_step, sampler=sampler_info,
         accountant=budget.accountant, accountant_version=accounting.accountant_version(),
         releases_per_step=sum(1 for s in compiled.stages if s.is_release),
         one_off_releases=[dict(stage=s.name, noise_multiplier=compiled.init_noise_multiplier,
@@ -178,22 +354,28 @@ def train(workdir: str | Path, config: Optional[TrainConfig] = None,
     record = dict(
         pipeline=pipeline_name, gin_files=list(gin_files),
         stages=[dict(name=s.name, **s.options) for s in compiled.stages],
-        dataset=dataset.name, model=gin.query_parameter("model.name"),
+        dataset=dataset.name, model=model_name,
         dataset_size=n, validation_size=len(dataset.validation),
         target_epsilon=budget.epsilon, epsilon=epsilon, delta=budget.delta,
         accountant=budget.accountant, noise_multiplier=compiled.noise_multiplier,
         l2_sensitivity=compiled.sensitivity, batch_size=config.batch_size,
-        epochs=config.epochs, steps=total_steps, sampling=sampler_info,
+        epochs=config.epochs, steps=end_step, planned_steps=total_steps,
+        stop_reason=stop_reason, budget_enforced=config.enforce_budget, sampling=sampler_info,
         seed=config.seed,  # None for a release run: its OS-drawn seed is never written
         ema_decay=config.ema_decay,
         validation_accuracy=best["validation_accuracy"], best_step=best["step"],
         test_accuracy=test_acc, wall_time_s=time.time() - wall_start,
-        calibration_s=calibration_s, median_step_s=float(np.median(steady)),
+        resumed_from_steps=resumed_from, nonfinite_examples=nonfinite_total,
+        dp_event=accounting.event_to_json(compiled.run_event(end_step)),
+        settings_sha256=checkpoint.settings_digest(settings),
+        calibration_s=calibration_s,
+        median_step_s=float(np.median(steady)) if steady else None,
         versions=records.versions(), git_commit=records.git_commit(),
         devices=[str(d) for d in mesh.devices.flat], privacy_statement=statement,
-        non_private_outputs=["train_loss and update_norm in metrics.jsonl are diagnostics "
-                             "computed from private batches; they are not released by the "
-                             "accounted mechanism"])
+        non_private_outputs=["train_loss, update_norm and nonfinite_examples in metrics.jsonl "
+                             "are diagnostics computed from private batches; they are not "
+                             "released by the accounted mechanism"])
+    ckpts.close()
     records.atomic_write_text(workdir / "operative_config.gin", gin.operative_config_str())
     records.atomic_write_text(workdir / records.RECORD_NAME, records.to_json(record))
     logging.info("done: test accuracy %.4f (best validation %.4f at step %d), epsilon %.4f",

@@ -1,3 +1,4 @@
+import json
 import math
 
 import numpy as np
@@ -84,3 +85,16 @@ def test_pure_dp_events_compose_soundly_and_not_looser_than_basic_composition(ac
     assert eps > 0.1                         # and not free (advanced composition scale)
     one = accounting.epsilon_of(accounting.PureDpEvent(0.5), budget)
     assert one == pytest.approx(0.5, abs=0.01) if accountant == "pld" else one >= 0.5
+
+
+def test_ledger_json_round_trips_to_the_same_epsilon():
+    budget = accounting.Budget(epsilon=3.0, delta=1e-5)
+    event = dp_event.ComposedDpEvent([
+        dp_event.PoissonSampledDpEvent(0.01, dp_event.GaussianDpEvent(1.1)),
+        dp_event.SelfComposedDpEvent(dp_event.TruncatedSubsampledGaussianDpEvent(
+            dataset_size=60000, sampling_probability=0.01, truncated_batch_size=700,
+            noise_multiplier=1.1), 300),
+        accounting.PureDpEvent(0.03)])
+    rebuilt = accounting.event_from_json(json.loads(json.dumps(accounting.event_to_json(event))))
+    assert rebuilt == event
+    assert accounting.epsilon_of(rebuilt, budget) == accounting.epsilon_of(event, budget)

@@ -197,3 +197,30 @@ def test_step_on_8_fake_devices_equals_the_1_device_step():
     for a, b in zip(out["one"], out["all"]):
         # identical noise (added once, from the same key), sums up to float reassociation
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_nonfinite_per_example_gradient_is_zeroed_before_the_clip_and_counted():
+    """One example with a NaN pixel: its gradient is replaced by zeros (norm 0 <= C), so the
+    update equals the update of the batch without it, and the step reports one such example."""
+    n = 32
+    images, labels = random_data(n, seed=int(np.random.default_rng().integers(1e6)))
+    compiled, init_params, _ = compile_small(
+        dpsgd_stages(l2_bound=0.5, learning_rate=1.0), n=n, batch_size=n, micro=8,
+        noise_multiplier=0.0, padded_batch_size=n)
+    poisoned = images.copy()
+    poisoned[3, 0, 0, 0] = np.nan
+    indices, mask = np.arange(n), np.ones(n, bool)
+    without = mask.copy()
+    without[3] = False
+    params = init_params(jax.random.key(0))
+    results = []
+    for imgs, m in ((poisoned, mask), (images, without)):
+        state = compiled.init_state(params, jax.random.key(1))
+        state, metrics = compiled.step(state, make_batch(compiled, imgs, labels, indices, m))
+        results.append((state, metrics))
+    (got, metrics), (want, clean_metrics) = results
+    assert float(metrics["nonfinite_examples"]) == 1.0
+    assert float(clean_metrics["nonfinite_examples"]) == 0.0
+    for a, b in zip(jax.tree.leaves(got.params), jax.tree.leaves(want.params)):
+        assert np.all(np.isfinite(a))
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)

@@ -21,6 +21,17 @@ def clip_to_l2(tree, l2_bound: float):
     return jax.tree.map(lambda leaf: (leaf * scale).astype(leaf.dtype), tree)
 
 
+def zero_if_nonfinite(tree):
+    """Returns (tree, 0.0) when every entry is finite, else (zeros, 1.0).
+
+    Clipping cannot bound a NaN or an infinity; an all-zero value has norm 0, so replacing a
+    non-finite per-example value by zeros before the clip keeps every clip bound intact.
+    """
+    finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(leaf)) for leaf in jax.tree.leaves(tree)]))
+    cleaned = jax.tree.map(lambda leaf: jnp.where(finite, leaf, jnp.zeros_like(leaf)), tree)
+    return cleaned, 1.0 - finite.astype(jnp.float32)
+
+
 @register_stage("clip.global_l2")
 def global_l2(l2_bound: float = 1.0) -> Stage:
     """Flat L2 clipping of one example's value: output norm <= ``l2_bound`` (PER_EXAMPLE -> BOUNDED).

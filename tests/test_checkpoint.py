@@ -1,0 +1,273 @@
+"""Runs that survive: SIGKILL and resume, restore across device counts, corrupt checkpoints,
+changed settings, divergence, full disks and finished workdirs."""
+
+import errno
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import jax
+import numpy as np
+import pytest
+
+from dpbench import accounting, checkpoint, main, records, train
+from tests.conftest import REPO_ROOT
+
+DIGITS = ["pipelines/dpsgd.gin", "gin/data/digits.gin"]
+SHORT = ["train.epochs = 2", "train.log_every_steps = 5", "train.checkpoint_every_steps = 4",
+         "train.eval_every_steps = 8"]
+
+
+def cli_command(workdir, bindings):
+    return [sys.executable, "-m", "dpbench.main", *[f"--gin_file={f}" for f in DIGITS],
+            *[f"--gin_bindings={b}" for b in bindings], f"--workdir={workdir}"]
+
+
+def run_in_process(workdir, bindings=(), **kwargs):
+    main.parse_config(DIGITS, list(SHORT) + list(bindings))
+    return train.train(workdir, gin_files=DIGITS, **kwargs)
+
+
+def assert_trees_identical(a, b):
+    leaves_a, leaves_b = jax.tree.leaves(a), jax.tree.leaves(b)
+    assert len(leaves_a) == len(leaves_b) and leaves_a
+    for x, y in zip(leaves_a, leaves_b):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def test_sigkill_at_a_random_step_then_resume_is_bit_identical(tmp_path):
+    bindings = ["train.epochs = 4", "train.log_every_steps = 1", "train.seed = 11",
+                "train.checkpoint_every_steps = 3", "train.eval_every_steps = 6"]
+    full, killed = tmp_path / "full", tmp_path / "killed"
+    uninterrupted = subprocess.Popen(cli_command(full, bindings), cwd=REPO_ROOT,
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    kill_after = int(np.random.default_rng().integers(4, 30))
+    victim = subprocess.Popen(cli_command(killed, bindings), cwd=REPO_ROOT,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 240
+    while time.time() < deadline:
+        steps = [row["step"] for row in _metrics(killed) if "epsilon" in row]
+        if steps and steps[-1] >= kill_after:
+            break
+        assert victim.poll() is None, "the run finished before it could be killed"
+        time.sleep(0.01)
+    victim.send_signal(signal.SIGKILL)
+    victim.wait()
+    assert not (killed / "run_record.json").exists()
+    saved = checkpoint.RunCheckpoints(killed / train.CHECKPOINTS).latest_step()
+    assert saved is not None and saved > 0
+    resumed = subprocess.run(cli_command(killed, bindings), cwd=REPO_ROOT, capture_output=True,
+                             text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert uninterrupted.wait(timeout=300) == 0
+    assert f"from its checkpoint at step {saved}" in resumed.stderr
+    # The resumed process took up at the checkpoint's step: no step index (so no noise key
+    # fold_in(key, step)) was replayed from the start, and the key came from the checkpoint.
+    first_resumed_log = [l for l in resumed.stderr.splitlines()
+                         if "steps/s  epsilon spent" in l][0]
+    assert f"step {saved + 1}/" in first_resumed_log
+    a, b = checkpoint.load_saved(full / train.CHECKPOINTS), checkpoint.load_saved(
+        killed / train.CHECKPOINTS)
+    assert a["step"] == b["step"]
+    assert_trees_identical(a["state"], b["state"])  # params, optimizer, EMA, step, key
+    assert_trees_identical(a["best"], b["best"])
+    ra, rb = (json.loads((d / "run_record.json").read_text()) for d in (full, killed))
+    assert ra["epsilon"] == rb["epsilon"] and ra["test_accuracy"] == rb["test_accuracy"]
+    assert rb["resumed_from_steps"] == [saved] and ra["resumed_from_steps"] == []
+    # metrics hold each step once: the rows of the steps redone after the kill were dropped
+    logged = [row["step"] for row in _metrics(killed) if "epsilon" in row]
+    assert logged == sorted(set(logged)) == [row["step"] for row in _metrics(full)
+                                             if "epsilon" in row]
+
+
+def _metrics(workdir):
+    return records.read_metrics(workdir)  # skips a line torn by the kill
+
+
+def test_checkpoint_restores_from_1_to_8_devices_and_back(tmp_path):
+    script = textwrap.dedent(f"""
+        import jax, numpy as np
+        from dpbench import checkpoint, compiler, sharding
+        from tests.conftest import compile_small, dpsgd_stages
+        devices = jax.devices()
+        assert len(devices) == 8
+        for save_on, restore_on, name in ((1, 8, "a"), (8, 1, "b")):
+            save_mesh = sharding.make_mesh(devices[:save_on])
+            compiled, init_params, _ = compile_small(dpsgd_stages(), mesh=save_mesh,
+                                                     noise_multiplier=1.0, micro=8)
+            state = compiled.init_state(init_params(jax.random.key(0)), jax.random.key(1))
+            ckpts = checkpoint.RunCheckpoints(r"{tmp_path}/" + name)
+            ckpts.save(state, best_params=state.params, ledger={{"x": 1}})
+            restore_mesh = sharding.make_mesh(devices[:restore_on])
+            restored = ckpts.restore(0, state_shapes=compiled.state_shapes,
+                                     best_shapes=compiled.state_shapes.params,
+                                     sharding=sharding.replicated(restore_mesh))
+            for got, want in zip(jax.tree.leaves(restored.state), jax.tree.leaves(state)):
+                assert len(got.sharding.device_set) == restore_on, got.sharding
+                if jax.dtypes.issubdtype(got.dtype, jax.dtypes.prng_key):
+                    got, want = jax.random.key_data(got), jax.random.key_data(want)
+                np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+            # the restored state runs on the new mesh
+            other, _, _ = compile_small(dpsgd_stages(), mesh=restore_mesh,
+                                        noise_multiplier=1.0, micro=8)
+            batch = other.batch_layout({{
+                "image": np.zeros((other.sampler.padded_batch_size, 8, 8, 1), np.float32),
+                "label": np.zeros(other.sampler.padded_batch_size, np.int32),
+                "mask": np.ones(other.sampler.padded_batch_size, bool)}})
+            out, _ = other.step(restored.state, sharding.put_batch(batch, restore_mesh))
+            assert int(out.step) == 1
+        print("OK")
+    """)
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
+               JAX_PLATFORMS="cpu")
+    proc = subprocess.run([sys.executable, "-c", script], cwd=REPO_ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and "OK" in proc.stdout, proc.stderr[-3000:]
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory):
+    """One short finished run; tests copy it and damage the copy."""
+    import gin
+    workdir = tmp_path_factory.mktemp("finished") / "run"
+    record = run_in_process(workdir)
+    gin.clear_config()
+    return workdir, record
+
+
+def _unfinished_copy(finished_run, tmp_path):
+    import shutil
+    workdir, _ = finished_run
+    copy = tmp_path / "run"
+    shutil.copytree(workdir, copy)
+    (copy / "run_record.json").unlink()  # as if killed after the last checkpoint
+    return copy
+
+
+def test_resuming_a_run_whose_last_checkpoint_is_final_writes_the_same_record(
+        finished_run, tmp_path):
+    copy = _unfinished_copy(finished_run, tmp_path)
+    record = run_in_process(copy)
+    _, original = finished_run
+    for key in ("epsilon", "test_accuracy", "validation_accuracy", "best_step", "steps",
+                "noise_multiplier", "settings_sha256"):
+        assert record[key] == original[key], key
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip"])
+def test_corrupt_or_truncated_checkpoint_names_the_file_and_the_last_good_step(
+        finished_run, tmp_path, damage):
+    copy = _unfinished_copy(finished_run, tmp_path)
+    ckpts = checkpoint.RunCheckpoints(copy / train.CHECKPOINTS)
+    steps = ckpts.steps()
+    assert len(steps) == 2
+    latest_dir = ckpts.step_dir(steps[-1])
+    victim = max((p for p in latest_dir.rglob("*") if p.is_file() and "state" in p.parts),
+                 key=lambda p: p.stat().st_size)
+    data = victim.read_bytes()
+    if damage == "truncate":
+        victim.write_bytes(data[: len(data) // 2])
+    else:
+        victim.write_bytes(data[:-1] + bytes([data[-1] ^ 0xFF]))
+    with pytest.raises(checkpoint.CheckpointError) as error:
+        run_in_process(copy)
+    message = str(error.value)
+    assert str(victim) in message and f"last good checkpoint is step {steps[0]}" in message
+
+
+def test_changed_privacy_setting_is_refused_and_named(finished_run, tmp_path):
+    copy = _unfinished_copy(finished_run, tmp_path)
+    with pytest.raises(train.ResumeError, match=r"batch_size: 128 -> 64"):
+        run_in_process(copy, ["train.batch_size = 64"])
+    with pytest.raises(train.ResumeError, match=r"target_epsilon: 3\.0 -> 2\.0"):
+        run_in_process(copy, ["EPSILON = 2.0"])
+    with pytest.raises(train.ResumeError, match=r"l2_bound"):
+        run_in_process(copy, ["clip.global_l2.l2_bound = 0.2"])
+
+
+def test_finished_run_is_never_overwritten_without_the_flag(finished_run, tmp_path):
+    import shutil
+    workdir, original = finished_run
+    copy = tmp_path / "run"
+    shutil.copytree(workdir, copy)
+    before = (copy / "run_record.json").read_bytes()
+    with pytest.raises(train.WorkdirError, match="--overwrite"):
+        run_in_process(copy, ["train.epochs = 1"])
+    assert (copy / "run_record.json").read_bytes() == before
+    record = run_in_process(copy, ["train.epochs = 1"], overwrite=True)
+    archived = list((copy / train.SUPERSEDED).glob("*/run_record.json"))
+    assert len(archived) == 1 and archived[0].read_bytes() == before  # nothing lost
+    assert record["steps"] < original["steps"]
+
+
+def test_checkpoint_records_the_privacy_ledger(finished_run):
+    workdir, record = finished_run
+    saved = checkpoint.load_saved(workdir / train.CHECKPOINTS)
+    ledger = saved["ledger"]
+    assert ledger["step"] == record["steps"] == saved["step"]
+    assert ledger["epsilon_spent"] == record["epsilon"]
+    assert ledger["settings_sha256"] == checkpoint.settings_digest(ledger["settings"])
+    assert ledger["dp_event"]["class"] in ("SelfComposedDpEvent", "ComposedDpEvent")
+    assert ledger["settings"]["noise_multiplier"] == record["noise_multiplier"]
+    # anyone can recompute the reported epsilon from the events in the record
+    rebuilt = accounting.event_from_json(record["dp_event"])
+    budget = accounting.Budget(epsilon=record["target_epsilon"], delta=record["delta"])
+    assert accounting.epsilon_of(rebuilt, budget) == record["epsilon"]
+    # seeded benchmark runs save their key (bit-identical resume) ...
+    assert ledger["key_saved"] and np.any(saved["state"]["key"] != 0)
+
+
+def test_release_run_never_writes_its_key(tmp_path):
+    run_in_process(tmp_path / "run", ["train.seed = None", "train.epochs = 1"])
+    saved = checkpoint.load_saved(tmp_path / "run" / train.CHECKPOINTS)
+    assert not saved["ledger"]["key_saved"] and np.all(saved["state"]["key"] == 0)
+    assert saved["ledger"]["settings"]["seed"] is None
+
+
+def test_fixed_noise_multiplier_stops_at_the_budget_and_says_why(tmp_path):
+    record = run_in_process(tmp_path / "run", ["train.noise_multiplier = 0.9",
+                                               "train.epochs = 3"])
+    assert record["steps"] < record["planned_steps"]
+    assert record["epsilon"] <= 3.0 and "privacy budget reached" in record["stop_reason"]
+    with pytest.raises(accounting.BudgetError, match="enforce_budget"):
+        run_in_process(tmp_path / "zero", ["train.noise_multiplier = 0.0"])
+
+
+def test_diverging_run_stops_and_keeps_its_last_good_checkpoint(tmp_path):
+    workdir = tmp_path / "run"
+    with pytest.raises(train.TrainingDiverged, match="last good checkpoint is step") as error:
+        run_in_process(workdir, ["optimize.optax.learning_rate = 1e38",
+                                 "train.checkpoint_every_steps = 1", "train.log_every_steps = 1",
+                                 "optimize.optax.momentum = 0.0"])
+    last = int(str(error.value).split("last good checkpoint is step ")[1].split()[0])
+    saved = checkpoint.load_saved(workdir / train.CHECKPOINTS)
+    assert saved["step"] == last
+    assert all(np.all(np.isfinite(leaf)) for leaf in jax.tree.leaves(saved["state"]["params"]))
+    assert not (workdir / "run_record.json").exists()
+
+
+def test_full_disk_during_a_checkpoint_names_the_last_good_step(tmp_path, monkeypatch):
+    calls = {"n": 0}
+    original = checkpoint.ocp.CheckpointManager.save
+
+    def failing_save(self, step, *args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] > 1:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return original(self, step, *args, **kwargs)
+
+    monkeypatch.setattr(checkpoint.ocp.CheckpointManager, "save", failing_save)
+    with pytest.raises(checkpoint.CheckpointError,
+                       match=r"No space left on device.*last good checkpoint is step 4"):
+        run_in_process(tmp_path / "run")
+
+
+def test_unwritable_workdir_fails_before_training(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    with pytest.raises(train.WorkdirError, match="cannot write to --workdir"):
+        run_in_process(blocker / "run")

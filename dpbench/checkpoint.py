@@ -95,7 +95,8 @@ class RunCheckpoints:
         if not isinstance(max_to_keep, int) or max_to_keep < 1:
             raise ValueError(f"train.checkpoints_to_keep must be a positive integer, got "
                              f"{max_to_keep!r}")
-        self.directory = Path(directory)
+        # orbax refuses relative paths; a relative --workdir is relative to the cwd
+        self.directory = Path(directory).absolute()
         self.save_key = save_key
         (self.directory / MANIFESTS).mkdir(parents=True, exist_ok=True)
         self._manager = ocp.CheckpointManager(
@@ -238,7 +239,7 @@ def to_host(tree):
 
 def load_saved(directory: str | Path, step: Optional[int] = None) -> dict:
     """A checkpoint's items as saved (host arrays and the ledger), for tools and tests."""
-    manager = ocp.CheckpointManager(Path(directory) / STEPS,
+    manager = ocp.CheckpointManager(Path(directory).absolute() / STEPS,
                                     options=ocp.CheckpointManagerOptions(read_only=True),
                                     item_names=("state", "best", "ledger"))
     step = manager.latest_step() if step is None else step

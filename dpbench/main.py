@@ -37,12 +37,16 @@ def parse_config(gin_files, gin_bindings) -> None:
     for path in (str(Path.cwd()), str(REPO_ROOT)):
         if path not in gin.config._LOCATION_PREFIXES:  # noqa: SLF001 (gin has no getter)
             gin.add_config_file_search_path(path)
+    resolved = []
     for gin_file in gin_files:
-        if not any((Path(root) / gin_file).exists() for root in ("", REPO_ROOT)):
+        found = [Path(root) / gin_file for root in (Path.cwd(), REPO_ROOT)
+                 if (Path(root) / gin_file).is_file()]
+        if not found:
             raise ConfigError(f"gin file {gin_file!r} not found (looked in {Path.cwd()} and "
                               f"{REPO_ROOT}); pipelines live in pipelines/*.gin")
+        resolved.append(str(found[0].absolute()))  # gin finds only cwd-relative top files
     try:
-        gin.parse_config_files_and_bindings(gin_files, gin_bindings)
+        gin.parse_config_files_and_bindings(resolved, gin_bindings)
     except (ValueError, KeyError, SyntaxError, IOError) as e:
         raise ConfigError(f"gin configuration error: {e}\nknown stages: "
                           f"{', '.join(registered_stage_names())}; check the spelling of "
@@ -67,6 +71,12 @@ def main(argv) -> None:
 
 
 def run():
+    """The console script: ``dpbench [flags]`` trains; ``dpbench audit [flags]`` audits."""
+    if len(sys.argv) > 1 and sys.argv[1] == "audit":
+        from dpbench import audit
+        sys.argv = [f"{sys.argv[0]} audit"] + sys.argv[2:]
+        audit.run()
+        return
     app.run(main)
 
 

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -271,3 +272,12 @@ def test_unwritable_workdir_fails_before_training(tmp_path):
     blocker.write_text("not a directory")
     with pytest.raises(train.WorkdirError, match="cannot write to --workdir"):
         run_in_process(blocker / "run")
+
+
+def test_a_relative_workdir_checkpoints_and_finishes(tmp_path, monkeypatch):
+    # regression: orbax refuses relative paths, which broke runs with --workdir=runs/x
+    monkeypatch.chdir(tmp_path)
+    record = run_in_process(Path("runs") / "relative", ["train.epochs = 1",
+                                                        "train.checkpoint_every_steps = 3"])
+    assert record["steps"] > 3
+    assert checkpoint.RunCheckpoints(tmp_path / "runs" / "relative" / train.CHECKPOINTS).steps()

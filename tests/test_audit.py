@@ -1,0 +1,101 @@
+"""The canary audit: correct pipelines stay under their claim, broken ones are flagged."""
+
+import json
+import math
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from dpbench import audit, main, stages
+from dpbench.stages.base import Kind, Stage
+from dpbench.stages.noise import add_gaussian_noise
+from dpbench.train import pipeline_stages
+from tests.conftest import REPO_ROOT
+
+
+def pipeline(gin_file, bindings=()):
+    main.parse_config([gin_file], list(bindings) + list(audit.AUDIT_BINDINGS))
+    return list(pipeline_stages()[1])
+
+
+def no_clip(l2_bound):
+    """Declares a clip bound but never clips."""
+    return Stage(name="broken.no_clip", kind_in=Kind.PER_EXAMPLE, kind_out=Kind.BOUNDED,
+                 apply=lambda value, state, ctx: value, l2_bound=l2_bound)
+
+
+def scaled_noise(factor):
+    """Adds noise with standard deviation factor * sigma * sensitivity."""
+    def apply(value, state, ctx):
+        return add_gaussian_noise(value, ctx.key,
+                                  factor * ctx.noise_multiplier * ctx.sensitivity), state
+    return Stage(name="broken.scaled_noise", kind_in=Kind.AGGREGATE, kind_out=Kind.RELEASED,
+                 apply=apply, is_release=True)
+
+
+def sgd():
+    return stages.optimize.optax_optimizer(optimizer="sgd", learning_rate=1.0)
+
+
+@pytest.mark.parametrize("gin_file,claimed", [
+    ("pipelines/rs.gin", 2.0), ("pipelines/gip.gin", 3.0), ("pipelines/gep.gin", 4.0)])
+def test_correct_pipelines_stay_under_their_claim(gin_file, claimed):
+    # fewer GEP anchors than the pipeline's 512 keep the test fast; the mechanism is the same
+    bindings = ["gep.embed_and_clip.num_anchors = 128", "gep.embed_and_clip.num_basis = 40"]
+    result = audit.run_audit(pipeline(gin_file, bindings), claimed_epsilon=claimed, trials=1000,
+                             seed=int(np.random.default_rng().integers(1000)))
+    assert abs(result.claimed_epsilon - claimed) < 1e-3
+    assert not result.flagged, result.reasons
+    assert result.epsilon_lb <= result.claimed_epsilon
+    assert result.mean_shift > 0  # the canary is visible: the audit is not vacuous
+
+
+@pytest.mark.parametrize("broken", ["no_clip", "noise_over_batch", "sigma_halved"])
+def test_broken_pipelines_are_flagged(broken):
+    clip_bound, batch = 0.1, 256
+    stage_list = [stages.grad.per_example(),
+                  no_clip(clip_bound) if broken == "no_clip" else
+                  stages.clip.global_l2(clip_bound),
+                  scaled_noise({"no_clip": 1.0, "noise_over_batch": 1.0 / batch,
+                                "sigma_halved": 0.5}[broken]),
+                  sgd()]
+    result = audit.run_audit(stage_list, claimed_epsilon=3.0, trials=1200,
+                             seed=int(np.random.default_rng().integers(1000)))
+    assert result.flagged, result
+    if broken != "sigma_halved":  # a shift of many noise stddevs: even the nonparametric bound
+        assert result.epsilon_lb > result.claimed_epsilon
+
+
+def test_clopper_pearson_bound_matches_hand_values():
+    # 500/500 true positives and 0/500 false positives: the exact one-sided bounds at
+    # alpha=0.05 are TPR >= 0.05**(1/500) and FPR <= 1 - 0.05**(1/500)
+    lb = audit.clopper_pearson_epsilon_lb(500, 500, 0, 500, delta=0.0, alpha=0.1)
+    p = 0.05 ** (1 / 500)
+    assert lb == pytest.approx(math.log(p / (1 - p)), rel=1e-6)
+    assert audit.clopper_pearson_epsilon_lb(250, 500, 250, 500, 1e-5, 0.05) == 0.0
+
+
+def test_cli_audits_dpsgd_and_writes_a_report(tmp_path):
+    out = tmp_path / "audit.json"
+    proc = subprocess.run(
+        [sys.executable, "-c", "from dpbench.main import run; run()", "audit",
+         "--gin_file=pipelines/dpsgd.gin", "--trials=1000", "--claimed_epsilon=3.0",
+         f"--out={out}"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["pipeline"] == "dpsgd" and not report["flagged"], report
+    assert 0 <= report["epsilon_lb"] <= report["claimed_epsilon"] < 3.0 + 1e-9
+    # the canary shift is the clip bound and the noise std is sigma * C (within 10%)
+    assert report["mean_shift"] == pytest.approx(0.1, rel=0.1)
+    assert report["pooled_std"] == pytest.approx(report["noise_multiplier"] * 0.1, rel=0.1)
+
+
+def test_perfectly_separated_scores_reach_the_largest_bound_the_trials_allow():
+    # regression: a threshold with one false positive used to tie with a clean one
+    rng = np.random.default_rng()
+    scores_in, scores_out = 1.0 + 0.01 * rng.normal(size=600), 0.01 * rng.normal(size=600)
+    best = audit.clopper_pearson_epsilon_lb(450, 450, 0, 450, 1e-5, 0.05 / 4)
+    assert audit.nonparametric_epsilon_lb(scores_in, scores_out, 1e-5, 0.05) == pytest.approx(
+        best)

@@ -224,3 +224,35 @@ def test_nonfinite_per_example_gradient_is_zeroed_before_the_clip_and_counted():
     for a, b in zip(jax.tree.leaves(got.params), jax.tree.leaves(want.params)):
         assert np.all(np.isfinite(a))
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+
+
+def test_noise_is_fresh_every_step_and_every_leaf():
+    """Noise-only updates (empty batches): no two steps and no two leaves share noise."""
+    n, batch = 64, 16
+    compiled, init_params, _ = compile_small(
+        dpsgd_stages(l2_bound=1.0, learning_rate=1.0, optimizer="sgd"), n=n, batch_size=batch,
+        micro=8, noise_multiplier=1.0, model_name="mlp", shape=(8, 8, 1))
+    images, labels = random_data(n)
+    state = compiled.init_state(init_params(jax.random.key(0)), jax.random.key(7))
+    padded = compiled.sampler.padded_batch_size
+    empty = make_batch(compiled, images, labels, np.zeros(padded, np.int64),
+                       np.zeros(padded, bool))
+    per_step = []
+    for _ in range(3):
+        before = jax.tree.map(np.array, state.params)
+        state, _ = compiled.step(state, empty)
+        per_step.append([np.ravel(np.asarray(a) - b) for a, b in
+                         zip(jax.tree.leaves(state.params), jax.tree.leaves(before))])
+    flat = [np.concatenate(leaves) for leaves in per_step]
+    d = len(flat[0])
+    for i in range(3):
+        for j in range(i + 1, 3):
+            assert abs(np.corrcoef(flat[i], flat[j])[0, 1]) < 5 / np.sqrt(d)  # fresh per step
+    leaves = per_step[0]
+    big = [leaf for leaf in leaves if leaf.size >= 16]
+    assert len(big) >= 2
+    for i in range(len(big)):
+        for j in range(i + 1, len(big)):
+            m = min(big[i].size, big[j].size)
+            assert abs(np.corrcoef(big[i][:m], big[j][:m])[0, 1]) < 5 / np.sqrt(m)
+            assert not np.allclose(big[i][:m], big[j][:m])  # leaves never share a key

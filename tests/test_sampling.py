@@ -1,5 +1,6 @@
 import numpy as np
 import pytest
+import scipy.stats
 from dp_accounting import dp_event
 
 from dpbench import sampling
@@ -67,3 +68,26 @@ def test_shuffle_sampler_is_only_built_behind_the_flag_and_says_so():
     s = sampling.make_sampler(100, 10, 0, 1, allow_shuffled_batches=True)
     assert not s.poisson_accounted and "NOT Poisson" in s.describe()["sampling"]
     assert s.sample(0).size == 10
+
+
+def _consecutive_co_inclusion(sampler, n, steps):
+    inside = np.zeros((steps, n), bool)
+    for t in range(steps):
+        b = sampler.sample(t)
+        inside[t, b.indices[b.mask]] = True
+    return int(np.sum(inside[1:] & inside[:-1])), (steps - 1) * n
+
+
+def test_poisson_steps_are_independent_and_the_test_rejects_shuffling():
+    """P[i in step t and in step t+1] = q^2 for Poisson; a per-epoch shuffle (an example
+    appears once per epoch) violates it, and the same test says so."""
+    n, batch, steps = 100, 25, 2000
+    q = batch / n
+    seed = int(np.random.default_rng().integers(1e9))
+    both, trials = _consecutive_co_inclusion(sampling.PoissonSampler(n, batch, seed=seed), n,
+                                             steps)
+    p = scipy.stats.binomtest(both, trials, q * q).pvalue
+    assert p > 1e-4, (both, trials * q * q, seed)
+    both, trials = _consecutive_co_inclusion(sampling.ShuffleSampler(n, batch, seed=seed), n,
+                                             steps)
+    assert scipy.stats.binomtest(both, trials, q * q).pvalue < 1e-6

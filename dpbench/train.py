@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import fractions
 import json
 import math
 import secrets
@@ -75,6 +76,12 @@ def _evaluate(apply_fn, params, split: data.Split, batch_size: int) -> float:
         labels = split.labels[start:start + batch_size]
         correct += int(apply_fn(params, images, labels))
     return correct / max(len(split), 1)
+
+
+def total_steps_for(epochs: float, dataset_size: int, batch_size: int) -> int:
+    """ceil(epochs * N / B), computed exactly on the decimal the user wrote for ``epochs``
+    (float rounding once made 30 * (50000 / 3000) = 500.00000000000006 into 501 steps)."""
+    return int(math.ceil(fractions.Fraction(str(epochs)) * dataset_size / batch_size))
 
 
 class WorkdirError(ValueError):
@@ -185,7 +192,7 @@ def train(workdir: str | Path, config: Optional[TrainConfig] = None,
     sampler = sampling.make_sampler(n, config.batch_size, seed=int(seeds[2]),
                                     pad_multiple=config.micro_batch_size)
     steps_per_epoch = n / config.batch_size
-    total_steps = int(math.ceil(config.epochs * steps_per_epoch))
+    total_steps = total_steps_for(config.epochs, n, config.batch_size)
 
     def init_params(key):
         return model.init(key, jnp.zeros((1,) + tuple(example_shape), jnp.float32))

@@ -235,12 +235,15 @@ def compile_pipeline(stages: Sequence[Stage], *, loss_fn: Callable, init_params:
                      steps_per_epoch: int, micro_batch_size: int, mesh: Optional[Mesh] = None,
                      ema_decay: float = 0.0, noise_multiplier: Optional[float] = None,
                      public_images=None, num_classes: int = 0,
-                     linear_apply: Optional[Callable] = None) -> CompiledPipeline:
+                     linear_apply: Optional[Callable] = None,
+                     fidelity_diagnostics: bool = False) -> CompiledPipeline:
     """Validates, accounts and lowers a pipeline (see the module docstring).
 
     ``noise_multiplier=None`` calibrates sigma to the budget (the normal path). A given value is
     used as is (for tests and non-private baselines); the reported epsilon is then the
     accountant's for that sigma, which may exceed the target.
+    ``fidelity_diagnostics`` adds the non-private metrics ``fidelity_cosine`` and
+    ``noise_to_signal`` (released update vs the clean mean of clipped gradients) to each step.
     """
     mesh = sharding.make_mesh() if mesh is None else mesh
     validated = validate_pipeline(stages)
@@ -374,6 +377,8 @@ def compile_pipeline(stages: Sequence[Stage], *, loss_fn: Callable, init_params:
         value, loss_sum, nonfinite = masked_sum(state.params, tuple(states), state.step,
                                                 step_key, batch)
         new_states = states
+        clean = value  # the noise-free clipped sum: only for the opt-in fidelity diagnostics
+        released = release_ctx = None
         normalized = False
         for offset, stage in enumerate(batch_stages):
             i = n_per_example + offset
@@ -381,11 +386,13 @@ def compile_pipeline(stages: Sequence[Stage], *, loss_fn: Callable, init_params:
                 # Divide by the EXPECTED batch size: the realized one is private.
                 value = jax.tree.map(lambda v: v / expected_batch_size, value)
                 normalized = True
+                released = value
             ctx = StepContext(params=state.params, step=state.step,
                               key=jax.random.fold_in(step_key, i),
                               noise_multiplier=sigma, sensitivity=sensitivity)
             value, new_states[i] = stage.apply(value, state.stage_states[i], ctx)
             if stage.is_release:
+                release_ctx = ctx
                 # Public post-processing declared by earlier stages (their state is public).
                 for j, earlier in enumerate(built[:i]):
                     if earlier.after_release is not None:
@@ -405,7 +412,28 @@ def compile_pipeline(stages: Sequence[Stage], *, loss_fn: Callable, init_params:
             "update_norm": optax.tree.norm(value),
             "nonfinite_examples": nonfinite,  # per-example gradients zeroed before the clip
         }
+        if fidelity_diagnostics:
+            metrics.update(_fidelity(clean, released, new_states, release_ctx))
         return TrainState(params, tuple(new_states), ema, state.step + 1, state.key), metrics
+
+    def _fidelity(clean, released, stage_states, ctx):
+        """Cosine between the released update and the clean mean of clipped per-example
+        gradients, and the norm of their difference relative to the clean one (NON-PRIVATE
+        benchmark output: the clean sum never leaves this function except through them)."""
+        for j, stage in enumerate(per_example_stages):
+            if stage.after_release is not None:  # to parameter space (GEP's reconstruction)
+                clean = stage.after_release(clean, stage_states[j], ctx)
+        clean = jax.tree.map(lambda v: v / expected_batch_size, clean)
+        flat_clean = jnp.concatenate([jnp.ravel(x) for x in jax.tree.leaves(clean)])
+        flat_released = jnp.concatenate([jnp.ravel(x) for x in jax.tree.leaves(released)])
+        clean_norm = jnp.linalg.norm(flat_clean)
+        tiny = jnp.finfo(flat_clean.dtype).tiny
+        return {
+            "fidelity_cosine": jnp.dot(flat_clean, flat_released) / jnp.maximum(
+                clean_norm * jnp.linalg.norm(flat_released), tiny),
+            "noise_to_signal": jnp.linalg.norm(flat_released - flat_clean) / jnp.maximum(
+                clean_norm, tiny),
+        }
 
     def release_fn(params, key, batch, init_release):
         """The one-off release: clip each example's gradient, masked sum, Gaussian noise."""

@@ -42,6 +42,9 @@ class TrainConfig:
     enforce_budget=False (a non-private baseline; the record then says the budget was ignored).
     A checkpoint (with the privacy ledger) is written every checkpoint_every_steps steps and at
     the end; the newest checkpoints_to_keep are kept.
+    fidelity_every_steps > 0 records, every that many steps, the cosine between the released
+    update and the clean mean of clipped gradients and the noise-to-signal norm ratio: they read
+    private data, so the record lists them as NON-PRIVATE benchmark output (off by default).
     """
 
     batch_size: int = 256
@@ -56,6 +59,7 @@ class TrainConfig:
     enforce_budget: bool = True
     checkpoint_every_steps: int = 200
     checkpoints_to_keep: int = 2
+    fidelity_every_steps: int = 0
 
     def validate(self):
         if not isinstance(self.batch_size, int) or self.batch_size <= 0:
@@ -63,6 +67,9 @@ class TrainConfig:
                              f"{self.batch_size!r}")
         if not isinstance(self.epochs, (int, float)) or not self.epochs > 0:
             raise ValueError(f"train.epochs must be > 0, got {self.epochs!r}")
+        if not isinstance(self.fidelity_every_steps, int) or self.fidelity_every_steps < 0:
+            raise ValueError(f"train.fidelity_every_steps must be an integer >= 0 (0: off), got "
+                             f"{self.fidelity_every_steps!r}")
         for name in ("checkpoint_every_steps", "log_every_steps", "checkpoints_to_keep"):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
@@ -206,7 +213,8 @@ def train(workdir: str | Path, config: Optional[TrainConfig] = None,
         noise_multiplier=config.noise_multiplier,
         public_images=None if dataset.public is None else dataset.public.images,
         num_classes=dataset.num_classes,
-        linear_apply=models.linearized(dataset.num_classes).apply)
+        linear_apply=models.linearized(dataset.num_classes).apply,
+        fidelity_diagnostics=config.fidelity_every_steps > 0)
     calibration_s = time.time() - t0
     logging.info("pipeline %s: sigma=%.5f sensitivity=%g steps=%d q=%.5g padded batch=%d "
                  "(calibrated in %.1fs)", pipeline_name, compiled.noise_multiplier,
@@ -252,6 +260,7 @@ def train(workdir: str | Path, config: Optional[TrainConfig] = None,
         best = {"validation_accuracy": -1.0, "step": 0,
                 "params": checkpoint.to_host(state.params)}
         nonfinite_total = 0.0
+        fidelity = {"cosine": [], "noise_to_signal": []}
     else:
         ledger = ckpts.read_ledger(latest)
         changed = checkpoint.changed_settings(ledger["settings"], settings)
@@ -275,6 +284,7 @@ def train(workdir: str | Path, config: Optional[TrainConfig] = None,
                 "step": ledger["best_step"],
                 "params": checkpoint.to_host(restored.best_params)}
         nonfinite_total = float(ledger["nonfinite_examples"])
+        fidelity = ledger["fidelity"]
         resumed_from = list(ledger["resumed_from"]) + [latest]
         _truncate_metrics(workdir, latest)
         logging.info("resuming %s from its checkpoint at step %d (epsilon spent %.4f)",
@@ -289,7 +299,7 @@ def train(workdir: str | Path, config: Optional[TrainConfig] = None,
             dp_event=accounting.event_to_json(compiled.run_event(done)),
             best_validation_accuracy=best["validation_accuracy"], best_step=best["step"],
             resumed_from=resumed_from, nonfinite_examples=nonfinite_total,
-            key_saved=config.seed is not None)
+            fidelity=fidelity, key_saved=config.seed is not None)
         ckpts.save(state, best_params=best["params"],
                    ledger=json.loads(records.to_json(ledger)))
 
@@ -308,6 +318,11 @@ def train(workdir: str | Path, config: Optional[TrainConfig] = None,
         state, metrics = compiled.step(state, batch)
         nonfinite_device = nonfinite_device + metrics["nonfinite_examples"]
         done = step + 1
+        if config.fidelity_every_steps and done % config.fidelity_every_steps == 0:
+            row = {name: float(metrics[name]) for name in ("fidelity_cosine", "noise_to_signal")}
+            fidelity["cosine"].append(row["fidelity_cosine"])
+            fidelity["noise_to_signal"].append(row["noise_to_signal"])
+            records.append_metrics(workdir, dict(step=done, **row))
         if done % eval_every == 0 or done == end_step:
             params = state.ema_params if config.ema_decay > 0 else state.params
             val_acc = _evaluate(eval_fn, params, dataset.validation, config.eval_batch_size)
@@ -373,6 +388,12 @@ def train(workdir: str | Path, config: Optional[TrainConfig] = None,
         validation_accuracy=best["validation_accuracy"], best_step=best["step"],
         test_accuracy=test_acc, wall_time_s=time.time() - wall_start,
         resumed_from_steps=resumed_from, nonfinite_examples=nonfinite_total,
+        fidelity=None if not config.fidelity_every_steps else dict(
+            every_steps=config.fidelity_every_steps, samples=len(fidelity["cosine"]),
+            cosine_mean=float(np.mean(fidelity["cosine"])) if fidelity["cosine"] else None,
+            noise_to_signal_mean=(float(np.mean(fidelity["noise_to_signal"]))
+                                  if fidelity["noise_to_signal"] else None),
+            non_private=True),
         dp_event=accounting.event_to_json(compiled.run_event(end_step)),
         settings_sha256=checkpoint.settings_digest(settings),
         calibration_s=calibration_s,
@@ -381,7 +402,10 @@ def train(workdir: str | Path, config: Optional[TrainConfig] = None,
         devices=[str(d) for d in mesh.devices.flat], privacy_statement=statement,
         non_private_outputs=["train_loss, update_norm and nonfinite_examples in metrics.jsonl "
                              "are diagnostics computed from private batches; they are not "
-                             "released by the accounted mechanism"])
+                             "released by the accounted mechanism"] + (
+            ["fidelity (fidelity_cosine, noise_to_signal) compares the release with the clean "
+             "clipped gradient: non-private benchmark output"]
+            if config.fidelity_every_steps else []))
     ckpts.close()
     records.atomic_write_text(workdir / "operative_config.gin", gin.operative_config_str())
     records.atomic_write_text(workdir / records.RECORD_NAME, records.to_json(record))

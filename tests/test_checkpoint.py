@@ -135,7 +135,7 @@ def finished_run(tmp_path_factory):
     """One short finished run; tests copy it and damage the copy."""
     import gin
     workdir = tmp_path_factory.mktemp("finished") / "run"
-    record = run_in_process(workdir)
+    record = run_in_process(workdir, ["train.fidelity_every_steps = 4"])
     gin.clear_config()
     return workdir, record
 
@@ -203,6 +203,14 @@ def test_finished_run_is_never_overwritten_without_the_flag(finished_run, tmp_pa
     archived = list((copy / train.SUPERSEDED).glob("*/run_record.json"))
     assert len(archived) == 1 and archived[0].read_bytes() == before  # nothing lost
     assert record["steps"] < original["steps"]
+
+
+def test_fidelity_diagnostics_are_recorded_as_non_private(finished_run):
+    _, record = finished_run
+    fidelity = record["fidelity"]
+    assert fidelity["non_private"] and fidelity["samples"] == record["steps"] // 4
+    assert -1 <= fidelity["cosine_mean"] <= 1 and fidelity["noise_to_signal_mean"] > 0
+    assert any("fidelity" in line for line in record["non_private_outputs"])
 
 
 def test_checkpoint_records_the_privacy_ledger(finished_run):

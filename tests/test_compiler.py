@@ -12,7 +12,8 @@ import pytest
 
 from dpbench import compiler, stages
 from dpbench.stages.base import Kind, Stage
-from tests.conftest import (REPO_ROOT, compile_small, dpsgd_stages, make_batch, random_data)
+from tests.conftest import (REPO_ROOT, compile_small, dpsgd_stages, make_batch, random_data,
+                            small_model)
 from tests.stages.test_noise import std_test_pvalue
 
 
@@ -256,3 +257,26 @@ def test_noise_is_fresh_every_step_and_every_leaf():
             m = min(big[i].size, big[j].size)
             assert abs(np.corrcoef(big[i][:m], big[j][:m])[0, 1]) < 5 / np.sqrt(m)
             assert not np.allclose(big[i][:m], big[j][:m])  # leaves never share a key
+
+
+@pytest.mark.parametrize("sigma", [0.0, 2.0])
+def test_fidelity_diagnostics_compare_the_release_with_the_clean_clipped_mean(sigma):
+    n = 32
+    images, labels = random_data(n, seed=int(np.random.default_rng().integers(1e6)))
+    compiled, init_params, _ = compile_small(
+        dpsgd_stages(l2_bound=0.5, optimizer="sgd"), n=n, batch_size=n, micro=8,
+        noise_multiplier=sigma, padded_batch_size=n)
+    compiled = compiler.compile_pipeline(
+        compiled.stages, loss_fn=small_model()[1],
+        init_params=init_params, example_shape=(8, 8, 1), sampler=compiled.sampler,
+        budget=compiled.budget, total_steps=10, steps_per_epoch=4, micro_batch_size=8,
+        noise_multiplier=sigma, fidelity_diagnostics=True)
+    state = compiled.init_state(init_params(jax.random.key(0)), jax.random.key(1))
+    b = compiled.sampler.sample(0)
+    _, metrics = compiled.step(state, make_batch(compiled, images, labels, b.indices, b.mask))
+    if sigma == 0:  # the release IS the clean mean
+        assert float(metrics["fidelity_cosine"]) == pytest.approx(1.0, abs=1e-5)
+        assert float(metrics["noise_to_signal"]) == pytest.approx(0.0, abs=1e-5)
+    else:
+        assert float(metrics["fidelity_cosine"]) < 0.9
+        assert float(metrics["noise_to_signal"]) > 1.0

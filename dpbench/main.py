@@ -71,7 +71,11 @@ def main(argv) -> None:
 
 
 def run():
-    """The console script: ``dpbench [flags]`` trains; ``dpbench audit [flags]`` audits."""
+    """The console script: ``dpbench [flags]`` trains; ``dpbench audit [flags]`` audits;
+    ``dpbench leaderboard [flags]`` renders the board from run records."""
+    if len(sys.argv) > 1 and sys.argv[1] == "leaderboard":
+        from dpbench import leaderboard
+        sys.exit(leaderboard.main(sys.argv[2:]))
     if len(sys.argv) > 1 and sys.argv[1] == "audit":
         from dpbench import audit
         sys.argv = [f"{sys.argv[0]} audit"] + sys.argv[2:]

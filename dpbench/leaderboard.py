@@ -1,0 +1,297 @@
+"""The leaderboard: run records in, leaderboard/README.md + index.html + plots out.
+
+``dpbench leaderboard [--records=leaderboard/records] [--audits=leaderboard/audits]
+[--out=leaderboard]`` reads run records only. Records live in group directories named
+``<dataset>__<model>__eps<epsilon>__delta<delta>`` (anywhere below --records); a record that
+lacks a field, or whose dataset, model, target (epsilon, delta) differ from its group's, or whose
+reported epsilon exceeds the target, is rejected with its path.
+
+Per group and method (the record's ``pipeline`` name), configurations are the distinct settings
+apart from the seed; the configuration with the best mean VALIDATION accuracy is chosen and its
+test accuracy reported as mean +- std over its seeds, with the number of configurations tried.
+The same records always give the same bytes (sorted order, fixed formats, SVG without dates).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import html
+import io
+import json
+import re
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from dpbench import records as records_lib
+
+GROUP_PATTERN = re.compile(r"^(?P<dataset>[\w\-]+)__(?P<model>[\w\-]+)__eps(?P<eps>[0-9.e+\-]+)"
+                           r"__delta(?P<delta>[0-9.e+\-]+)$")
+REQUIRED = ("pipeline", "dataset", "model", "target_epsilon", "epsilon", "delta",
+            "test_accuracy", "validation_accuracy", "noise_multiplier", "steps", "batch_size",
+            "epochs", "accountant", "sampling", "seed", "median_step_s", "privacy_statement",
+            "stages", "ema_decay")
+BASELINE = "dpsgd"
+
+
+class LeaderboardError(ValueError):
+    """A record the leaderboard cannot use; the message names its path."""
+
+
+def _group_of(path: Path, root: Path):
+    for parent in path.parents:
+        if parent == root.parent:
+            break
+        match = GROUP_PATTERN.match(parent.name)
+        if match:
+            return parent, match
+    raise LeaderboardError(f"{path}: not inside a group directory named "
+                           "<dataset>__<model>__eps<epsilon>__delta<delta>")
+
+
+def load_records(root: Path) -> list[dict]:
+    """Every run record below ``root``, validated; each gains '_path' and '_group'."""
+    root = Path(root)
+    if not root.is_dir():
+        raise LeaderboardError(f"records directory {root} does not exist")
+    out = []
+    for path in sorted(root.rglob(records_lib.RECORD_NAME)):
+        try:
+            record = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise LeaderboardError(f"{path}: unreadable run record ({e})") from e
+        missing = [name for name in REQUIRED if name not in record]
+        if missing:
+            raise LeaderboardError(f"{path}: missing field(s) {', '.join(missing)}")
+        group_dir, match = _group_of(path, root)
+        expected = (match["dataset"], match["model"], float(match["eps"]),
+                    float(match["delta"]))
+        got = (record["dataset"], record["model"], float(record["target_epsilon"]),
+               float(record["delta"]))
+        if got != expected:
+            raise LeaderboardError(
+                f"{path}: (dataset, model, epsilon, delta) = {got} does not match its group "
+                f"{group_dir.name} = {expected}; move the record to its own group")
+        if not record["epsilon"] <= record["target_epsilon"] + 1e-9:
+            raise LeaderboardError(f"{path}: reported epsilon {record['epsilon']} exceeds its "
+                                   f"target {record['target_epsilon']}")
+        if not record["privacy_statement"].get("poisson_accounted", False):
+            raise LeaderboardError(f"{path}: its batches were not Poisson-sampled, so its "
+                                   "epsilon does not hold; it cannot be ranked")
+        record["_path"] = path
+        record["_group"] = group_dir.name
+        out.append(record)
+    if not out:
+        raise LeaderboardError(f"no {records_lib.RECORD_NAME} below {root}")
+    return out
+
+
+def config_key(record: dict) -> str:
+    """What distinguishes two configurations of one method: everything set except the seed."""
+    config = dict(stages=record["stages"], batch_size=record["batch_size"],
+                  epochs=record["epochs"], ema_decay=record["ema_decay"],
+                  accountant=record["accountant"])
+    return hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()[:12]
+
+
+def _mean_std(values):
+    values = np.asarray(values, float)
+    return float(values.mean()), float(values.std(ddof=1)) if len(values) > 1 else 0.0
+
+
+def load_audits(directory) -> dict:
+    """pipeline name -> audit report (``dpbench audit --out=<dir>/<pipeline>.json``)."""
+    out = {}
+    if directory is None or not Path(directory).is_dir():
+        return out
+    for path in sorted(Path(directory).glob("*.json")):
+        report = json.loads(path.read_text())
+        out[report["pipeline"]] = report
+    return out
+
+
+def summarize(records: list[dict], audits: dict, out_dir: Path) -> dict:
+    """group -> list of method rows (sorted by test accuracy, best first)."""
+    groups = {}
+    for record in records:
+        groups.setdefault(record["_group"], {}).setdefault(record["pipeline"], {}).setdefault(
+            config_key(record), []).append(record)
+    table = {}
+    for group, methods in sorted(groups.items()):
+        rows = []
+        for method, configs in sorted(methods.items()):
+            scored = sorted(((_mean_std([r["validation_accuracy"] for r in runs])[0], key, runs)
+                             for key, runs in configs.items()), key=lambda t: (-t[0], t[1]))
+            val_mean, key, runs = scored[0]
+            runs = sorted(runs, key=lambda r: (str(r["seed"]), str(r["_path"])))
+            test_mean, test_std = _mean_std([r["test_accuracy"] for r in runs])
+            first = runs[0]
+            fidelity = [r["fidelity"] for r in runs if r.get("fidelity")]
+            audit = audits.get(method)
+            rows.append(dict(
+                method=method, config=key, configs_tried=len(configs), seeds=len(runs),
+                test_mean=test_mean, test_std=test_std, validation_mean=val_mean,
+                noise_multiplier=first["noise_multiplier"], steps=first["steps"],
+                batch_size=first["batch_size"], epochs=first["epochs"],
+                accountant=first["accountant"], sampling=first["sampling"]["sampling"],
+                epsilon=max(r["epsilon"] for r in runs),
+                step_s=float(np.mean([r["median_step_s"] for r in runs])),
+                audit_epsilon_lb=None if audit is None else audit["epsilon_lb"],
+                fidelity_cosine=(float(np.mean([f["cosine_mean"] for f in fidelity]))
+                                 if fidelity else None),
+                noise_to_signal=(float(np.mean([f["noise_to_signal_mean"] for f in fidelity]))
+                                 if fidelity else None),
+                statement=Path(first["_path"]).resolve().relative_to(out_dir.resolve())
+                if _is_below(first["_path"], out_dir) else Path(first["_path"])))
+        base = next((r for r in rows if r["method"] == BASELINE), None)
+        for row in rows:
+            row["gain"] = None if base is None else row["test_mean"] - base["test_mean"]
+            row["step_ratio"] = None if base is None else row["step_s"] / base["step_s"]
+        rows.sort(key=lambda r: (-r["test_mean"], r["method"]))
+        table[group] = rows
+    return table
+
+
+def _is_below(path, directory) -> bool:
+    try:
+        Path(path).resolve().relative_to(Path(directory).resolve())
+        return True
+    except ValueError:
+        return False
+
+
+def _fmt(value, spec, missing="n/a"):
+    return missing if value is None else format(value, spec)
+
+
+COLUMNS = ("method", "test acc (mean ± std)", "gain vs DP-SGD", "seeds", "configs tried",
+           "σ", "steps", "batch", "epochs", "ε (reported)", "accountant", "sampling",
+           "step time vs DP-SGD", "audit ε_lb", "cos(release, clean)", "noise/signal",
+           "privacy statement")
+
+
+def _cells(row) -> list[str]:
+    return [row["method"],
+            f"{100 * row['test_mean']:.2f} ± {100 * row['test_std']:.2f}",
+            _fmt(None if row["gain"] is None else 100 * row["gain"], "+.2f"),
+            str(row["seeds"]), str(row["configs_tried"]), f"{row['noise_multiplier']:.4f}",
+            str(row["steps"]), str(row["batch_size"]), f"{row['epochs']:g}",
+            f"{row['epsilon']:.4f}", row["accountant"], row["sampling"],
+            _fmt(row["step_ratio"], ".2f") + ("x" if row["step_ratio"] is not None else ""),
+            _fmt(row["audit_epsilon_lb"], ".3f"), _fmt(row["fidelity_cosine"], ".3f"),
+            _fmt(row["noise_to_signal"], ".2f"), str(row["statement"])]
+
+
+def render_markdown(table: dict, plots: dict) -> str:
+    lines = ["# dpbench leaderboard", "",
+             "Generated by `dpbench leaderboard` from the run records under `records/` (do not "
+             "edit by hand). Per method, the configuration with the best mean validation "
+             "accuracy is shown; test accuracy is the mean ± std over its seeds (percent). "
+             "'configs tried' counts that method's configurations (tuning is not free in "
+             "privacy terms). cos(release, clean) and noise/signal are non-private diagnostics "
+             "(means over training) where the runs recorded them.", ""]
+    for group, rows in table.items():
+        lines += [f"## {group}", ""]
+        if group in plots:
+            lines += [f"![accuracy vs epsilon]({plots[group]})", ""]
+        lines.append("| " + " | ".join(COLUMNS) + " |")
+        lines.append("|" + "---|" * len(COLUMNS))
+        for row in rows:
+            cells = _cells(row)
+            cells[-1] = f"[record]({cells[-1]})"
+            lines.append("| " + " | ".join(cells) + " |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def render_html(table: dict, plots: dict) -> str:
+    parts = ["<!DOCTYPE html>", "<html lang='en'><head><meta charset='utf-8'>",
+             "<title>dpbench leaderboard</title>",
+             "<style>body{font-family:sans-serif;margin:2em}table{border-collapse:collapse}"
+             "td,th{border:1px solid #999;padding:4px 8px;text-align:right}"
+             "td:first-child{text-align:left}img{max-width:720px}</style></head><body>",
+             "<h1>dpbench leaderboard</h1>",
+             "<p>Per method, the configuration with the best mean validation accuracy; test "
+             "accuracy is mean ± std over seeds (percent). Generated from run records by "
+             "<code>dpbench leaderboard</code>.</p>"]
+    for group, rows in table.items():
+        parts.append(f"<h2>{html.escape(group)}</h2>")
+        if group in plots:
+            parts.append(f"<img src='{html.escape(plots[group])}' alt='accuracy vs epsilon "
+                         f"for {html.escape(group)}'>")
+        parts.append("<table><tr>" + "".join(f"<th>{html.escape(c)}</th>" for c in COLUMNS)
+                     + "</tr>")
+        for row in rows:
+            cells = [html.escape(c) for c in _cells(row)]
+            cells[-1] = f"<a href='{cells[-1]}'>record</a>"
+            parts.append("<tr>" + "".join(f"<td>{c}</td>" for c in cells) + "</tr>")
+        parts.append("</table>")
+    parts.append("</body></html>")
+    return "\n".join(parts) + "\n"
+
+
+def plot_groups(table: dict, out_dir: Path) -> dict:
+    """One SVG per (dataset, model, delta): test accuracy vs epsilon per method, with spread."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    matplotlib.rcParams["svg.hashsalt"] = "dpbench"  # deterministic ids in the SVG
+    by_family, family_of = {}, {}
+    for group, rows in table.items():
+        match = GROUP_PATTERN.match(group)
+        family = f"{match['dataset']}__{match['model']}__delta{match['delta']}"
+        family_of[group] = family
+        for row in rows:
+            by_family.setdefault(family, {}).setdefault(row["method"], []).append(
+                (float(match["eps"]), row["test_mean"], row["test_std"]))
+    (out_dir / "plots").mkdir(parents=True, exist_ok=True)
+    for family, methods in sorted(by_family.items()):
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        for method, points in sorted(methods.items()):
+            points.sort()
+            eps, mean, std = (np.array(v) for v in zip(*points))
+            ax.errorbar(eps, 100 * mean, yerr=100 * std, marker="o", capsize=3, label=method)
+        ax.set_xlabel("epsilon")
+        ax.set_ylabel("test accuracy (%)")
+        ax.set_title(family.replace("__", ", "))
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+        buffer = io.StringIO()
+        fig.savefig(buffer, format="svg", metadata={"Date": None})
+        plt.close(fig)
+        records_lib.atomic_write_text(out_dir / "plots" / f"{family}.svg", buffer.getvalue())
+    plots = {group: f"plots/{family}.svg" for group, family in family_of.items()}
+    return plots
+
+
+def build(records_dir, out_dir, audits_dir=None) -> dict:
+    """Validates the records and writes README.md, index.html and plots/ into ``out_dir``."""
+    out_dir = Path(out_dir)
+    table = summarize(load_records(Path(records_dir)), load_audits(audits_dir), out_dir)
+    plots = plot_groups(table, out_dir)
+    records_lib.atomic_write_text(out_dir / "README.md", render_markdown(table, plots))
+    records_lib.atomic_write_text(out_dir / "index.html", render_html(table, plots))
+    return table
+
+
+def main(argv=None) -> int:
+    import argparse
+    parser = argparse.ArgumentParser(prog="dpbench leaderboard", description=__doc__.split(
+        "\n")[0])
+    parser.add_argument("--records", default="leaderboard/records")
+    parser.add_argument("--audits", default="leaderboard/audits")
+    parser.add_argument("--out", default="leaderboard")
+    args = parser.parse_args(argv)
+    try:
+        table = build(args.records, args.out, args.audits)
+    except LeaderboardError as e:
+        print(f"dpbench: error: {e}", file=sys.stderr)
+        return 2
+    print(f"wrote {args.out}/README.md and {args.out}/index.html "
+          f"({sum(len(r) for r in table.values())} rows in {len(table)} groups)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

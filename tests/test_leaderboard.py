@@ -99,3 +99,19 @@ def test_a_real_run_record_is_accepted(tmp_path):
     table = leaderboard.build(tmp_path / "records", tmp_path)
     (row,) = table["digits__mlp__eps3.0__delta0.0001"]
     assert row["method"] == "dpsgd" and row["gain"] == 0.0
+
+
+def test_every_sweep_configuration_parses_and_names_its_method():
+    import importlib.util
+    from tests.conftest import REPO_ROOT
+    spec = importlib.util.spec_from_file_location("sweep", REPO_ROOT / "tools" / "sweep.py")
+    sweep = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sweep)
+    for method, configs in sweep.GRID.items():
+        for gin_file, bindings in configs.values():
+            main.parse_config([gin_file], list(bindings))
+            name, stages = train.pipeline_stages()
+            assert name == method and stages
+    commands = list(sweep.runs([1.0, 3.0], [0, 1, 2], list(sweep.GRID), REPO_ROOT / "x"))
+    assert len(commands) == 2 * 3 * sum(len(c) for c in sweep.GRID.values())
+    assert len({str(w) for w, _ in commands}) == len(commands)  # no two runs share a workdir

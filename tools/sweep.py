@@ -22,14 +22,18 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 DELTA = "1e-05"
 
-# method -> {config name: (gin file, bindings)}; the first config is the paper's default.
+# method -> {config name: (gin file, bindings)}; the first config is the pipeline's default.
 GRID = {
     "dpsgd": {"lr4": ("pipelines/dpsgd.gin", []),
               "lr2": ("pipelines/dpsgd.gin", ["optimize.optax.learning_rate = 2.0"])},
     "rs": {"r0.7": ("pipelines/rs.gin", []),
-           "r0.5": ("pipelines/rs.gin", ["sparsify.random_mask.final_rate = 0.5"])},
+           "r0.9": ("pipelines/rs.gin", ["sparsify.random_mask.final_rate = 0.9"])},
     "dpssgd-random": {"d0.5": ("pipelines/dpssgd.gin", ["PRUNE = @prune.random()",
-                                                         "pipeline.name = 'dpssgd-random'"])},
+                                                         "pipeline.name = 'dpssgd-random'"]),
+                      "mag0.5": ("pipelines/dpssgd.gin", ["PRUNE = @prune.random()",
+                                                           "drop.gradients.criterion = "
+                                                           "'magnitude'",
+                                                           "pipeline.name = 'dpssgd-random'"])},
     "dpssgd-synflow": {"d0.5": ("pipelines/dpssgd.gin", ["PRUNE = @prune.synflow()",
                                                           "pipeline.name = 'dpssgd-synflow'"])},
     "dpssgd-dp_snip": {"d0.5": ("pipelines/dpssgd.gin", ["PRUNE = @prune.dp_snip()",

@@ -1,6 +1,7 @@
 """Gradient dropping (DP-SSGD; Adamczewski, He & Park; docs/methods/dpssgd.md).
 
-Every step a fraction of each layer's gradient coordinates is dropped BEFORE clipping, chosen
+Every step a fraction of each weight tensor's unpruned gradient coordinates is dropped BEFORE
+clipping (biases are kept, as in the paper's index sets), chosen
 either at random (public randomness: the stage key and the step) or as the coordinates of the
 smallest-magnitude parameters (the parameters are public: they are a function of released
 values). The clip then bounds only the kept coordinates, and after the release the same mask
@@ -18,32 +19,45 @@ from dpbench.stages.base import Kind, Stage, StageInfo, register_stage
 CRITERIA = ("random", "magnitude")
 
 
-def keep_smallest_dropped(scores: jax.Array, rate: float) -> jax.Array:
-    """1.0 where the coordinate is kept: drops exactly floor(rate * size) lowest scores."""
-    flat = scores.ravel()
-    n_drop = int(rate * flat.size)
-    if n_drop == 0:
-        return jnp.ones_like(scores)
-    order = jnp.argsort(flat)
-    keep = jnp.ones_like(flat).at[order[:n_drop]].set(0.0)
-    return keep.reshape(scores.shape)
+def keep_smallest_dropped(scores: jax.Array, active: jax.Array, rate: float) -> jax.Array:
+    """1.0 where the coordinate is kept. Of the ``active`` coordinates, exactly
+    floor(rate * n_active) with the lowest scores are dropped; inactive ones (pre-pruned weights)
+    are always dropped (their gradient is zero anyway). n_active may depend on the (public)
+    parameters, so the count is computed in the graph."""
+    flat, flat_active = scores.ravel(), active.ravel()
+    n_active = jnp.sum(flat_active)
+    n_drop = jnp.floor(rate * n_active).astype(jnp.int32) + (flat.size - n_active)
+    ranked = jnp.where(flat_active, flat, -jnp.inf)   # inactive first
+    rank = jnp.zeros(flat.size, jnp.int32).at[jnp.argsort(ranked)].set(
+        jnp.arange(flat.size, dtype=jnp.int32))
+    return (rank >= n_drop).astype(scores.dtype).reshape(scores.shape)
 
 
 def drop_mask(criterion: str, rate: float, params, key, step):
-    """A public keep-mask per parameter leaf (same tree as params)."""
+    """A public keep-mask per parameter leaf (same tree as params).
+
+    Only weight tensors (ndim >= 2) are dropped, as in the paper's index sets; biases are always
+    kept. A weight that is exactly zero is treated as pre-pruned: it is not counted, so the rate
+    applies to the weights that remain (otherwise magnitude dropping at the pruning rate would
+    just re-drop the pruned zeros).
+    """
     leaves, treedef = jax.tree.flatten(params)
-    if criterion == "random":
-        keys = jax.random.split(jax.random.fold_in(key, step), len(leaves))
-        scores = [jax.random.uniform(k, leaf.shape) for k, leaf in zip(keys, leaves)]
-    else:
-        scores = [jnp.abs(leaf) for leaf in leaves]
-    masks = [keep_smallest_dropped(s, rate).astype(leaf.dtype) for s, leaf in zip(scores, leaves)]
+    keys = jax.random.split(jax.random.fold_in(key, step), len(leaves))
+    masks = []
+    for k, leaf in zip(keys, leaves):
+        if leaf.ndim < 2:
+            masks.append(jnp.ones_like(leaf))
+            continue
+        scores = (jax.random.uniform(k, leaf.shape) if criterion == "random"
+                  else jnp.abs(leaf))
+        masks.append(keep_smallest_dropped(scores, leaf != 0, rate).astype(leaf.dtype))
     return jax.tree.unflatten(treedef, masks)
 
 
 @register_stage("drop.gradients")
 def gradients(rate: float = 0.5, criterion: str = "random") -> Stage:
-    """Drops ``rate`` of each layer's per-example gradient coordinates before clipping."""
+    """Drops ``rate`` of each weight tensor's (unpruned) per-example gradient coordinates
+    before clipping; biases are never dropped."""
     if not 0.0 <= rate < 1.0:
         raise ValueError(f"drop.gradients.rate must lie in [0, 1), got {rate!r}")
     if criterion not in CRITERIA:

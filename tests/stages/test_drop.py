@@ -21,31 +21,50 @@ def test_drops_exactly_the_rate_per_layer(criterion):
     ones = jax.tree.map(jnp.ones_like, params)
     out = jax.jit(lambda g: stage.apply(g, state, _ctx(params, 3)))(ones)
     assert int(jnp.sum(out["a"] == 0)) == int(0.6 * 1000)
-    assert int(jnp.sum(out["b"] == 0)) == int(0.6 * 7)
+    assert int(jnp.sum(out["b"] == 0)) == 0  # biases are never dropped
     if criterion == "magnitude":
         dropped = np.abs(np.asarray(params["a"]))[np.asarray(out["a"]) == 0]
         kept = np.abs(np.asarray(params["a"]))[np.asarray(out["a"]) != 0]
         assert dropped.max() <= kept.min()
 
 
+@pytest.mark.parametrize("criterion", ["random", "magnitude"])
+def test_the_rate_applies_to_the_weights_left_after_pre_pruning(criterion):
+    """Regression: with half the weights pruned to zero, magnitude dropping at rate 0.5 used to
+    drop exactly the pruned zeros, i.e. nothing more."""
+    rng = np.random.default_rng()
+    weights = rng.normal(size=(40, 50)).astype(np.float32)
+    pruned = rng.permutation(2000) < 1000
+    weights.ravel()[pruned] = 0.0
+    params = {"w": jnp.asarray(weights)}
+    stage = stages.drop.gradients(rate=0.5, criterion=criterion)
+    state = stage.init(params, jax.random.key(1), None)
+    out = jax.jit(lambda g: stage.apply(g, state, _ctx(params, 2)))(
+        {"w": jnp.ones((40, 50))})
+    kept = np.asarray(out["w"]).ravel() != 0
+    assert not np.any(kept & pruned)          # pruned weights are never updated
+    assert kept.sum() == 1000 - int(0.5 * 1000)  # half of the remaining ones are dropped
+
+
 def test_random_mask_is_fresh_each_step_and_independent_of_private_values():
-    params = {"w": jnp.zeros((5000,))}
+    params = {"w": jnp.ones((50, 100))}
     stage = stages.drop.gradients(rate=0.5, criterion="random")
     state = stage.init(params, jax.random.key(2), None)
     apply = jax.jit(lambda g, s: stage.apply(g, state, _ctx(params, s)))
-    ones = {"w": jnp.ones((5000,))}
-    private = {"w": jnp.asarray(np.random.default_rng().normal(size=5000) + 5, jnp.float32)}
+    ones = {"w": jnp.ones((50, 100))}
+    private = {"w": jnp.asarray(np.random.default_rng().normal(size=(50, 100)) + 5,
+                                jnp.float32)}
     np.testing.assert_array_equal(apply(ones, 4)["w"] == 0, apply(private, 4)["w"] == 0)
     assert not np.array_equal(apply(ones, 4)["w"] == 0, apply(ones, 5)["w"] == 0)
 
 
 def test_noise_is_removed_on_dropped_coordinates():
-    params = {"w": jnp.asarray(np.random.default_rng().normal(size=3000), jnp.float32)}
+    params = {"w": jnp.asarray(np.random.default_rng().normal(size=(30, 100)), jnp.float32)}
     stage = stages.drop.gradients(rate=0.3, criterion="magnitude")
     state = stage.init(params, jax.random.key(0), None)
-    noisy = {"w": jnp.full((3000,), 2.0)}
+    noisy = {"w": jnp.full((30, 100), 2.0)}
     out = stage.after_release(noisy, state, _ctx(params, 0))["w"]
-    mask = stage.apply({"w": jnp.ones(3000)}, state, _ctx(params, 0))["w"]
+    mask = stage.apply({"w": jnp.ones((30, 100))}, state, _ctx(params, 0))["w"]
     np.testing.assert_array_equal(out, 2.0 * mask)
 
 

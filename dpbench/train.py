@@ -10,7 +10,7 @@ import math
 import secrets
 import time
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import gin
 import jax
@@ -167,23 +167,40 @@ def run_settings(*, pipeline_name, compiled, dataset, config: TrainConfig, budge
     return json.loads(records.to_json(settings))  # the form the ledger stores
 
 
-def train(workdir: str | Path, config: Optional[TrainConfig] = None,
-          budget: Optional[accounting.Budget] = None, gin_files: Sequence[str] = (),
-          overwrite: bool = False) -> dict:
-    """Trains the configured pipeline and writes metrics and the run record into ``workdir``.
+@dataclasses.dataclass(frozen=True)
+class Run:
+    """Everything a run builds before its first step: the data, model, sampler, keys and the
+    compiled pipeline (sigma calibrated). train() and the speed benchmark build it the same way."""
 
-    A workdir holding checkpoints of an unfinished run is resumed from its newest intact
-    checkpoint (same settings required); one holding a finished run is refused unless
-    ``overwrite``.
-    """
-    wall_start = time.time()
-    workdir = Path(workdir)
-    config = TrainConfig() if config is None else config
-    config.validate()
-    budget = accounting.Budget() if budget is None else budget
-    pipeline_name, stages = pipeline_stages()
-    compiler.validate_pipeline(stages)  # fail on a bad pipeline before loading any data
-    prepare_workdir(workdir, overwrite)
+    dataset: data.Dataset
+    model: object
+    model_name: str
+    sampler: object  # sampling.PoissonSampler or ShuffleSampler
+    mesh: jax.sharding.Mesh
+    compiled: compiler.CompiledPipeline
+    params_key: jax.Array
+    run_key: jax.Array
+    init_params: Callable
+    total_steps: int
+    steps_per_epoch: float
+    compile_s: float
+
+    def initial_state(self):
+        """The step's state at step 0, after any one-off accounted release before training
+        (DP-SNIP), which runs on a batch of the run's own sampler."""
+        release_batch = None
+        if self.compiled.needs_release_batch:
+            pre = self.sampler.sample(sampling.PRE_TRAINING_STEP)
+            release_batch = sharding.put_batch(self.compiled.batch_layout({
+                "image": self.dataset.train.images[pre.indices],
+                "label": self.dataset.train.labels[pre.indices], "mask": pre.mask}), self.mesh)
+        return self.compiled.init_state(self.init_params(self.params_key), self.run_key,
+                                        release_batch)
+
+
+def build_run(stages: Sequence[Stage], config: TrainConfig, budget: accounting.Budget) -> Run:
+    """Loads the configured dataset and model, derives the keys from config.seed (from the OS
+    when it is None) and compiles the pipeline for the mesh over all devices."""
     dataset = data.load_dataset()
     n = len(dataset.train)
     budget.validate(n)
@@ -215,7 +232,34 @@ def train(workdir: str | Path, config: Optional[TrainConfig] = None,
         num_classes=dataset.num_classes,
         linear_apply=models.linearized(dataset.num_classes).apply,
         fidelity_diagnostics=config.fidelity_every_steps > 0)
-    calibration_s = time.time() - t0
+    return Run(dataset=dataset, model=model, model_name=model_name, sampler=sampler, mesh=mesh,
+               compiled=compiled, params_key=params_key, run_key=run_key,
+               init_params=init_params, total_steps=total_steps,
+               steps_per_epoch=steps_per_epoch, compile_s=time.time() - t0)
+
+
+def train(workdir: str | Path, config: Optional[TrainConfig] = None,
+          budget: Optional[accounting.Budget] = None, gin_files: Sequence[str] = (),
+          overwrite: bool = False) -> dict:
+    """Trains the configured pipeline and writes metrics and the run record into ``workdir``.
+
+    A workdir holding checkpoints of an unfinished run is resumed from its newest intact
+    checkpoint (same settings required); one holding a finished run is refused unless
+    ``overwrite``.
+    """
+    wall_start = time.time()
+    workdir = Path(workdir)
+    config = TrainConfig() if config is None else config
+    config.validate()
+    budget = accounting.Budget() if budget is None else budget
+    pipeline_name, stages = pipeline_stages()
+    compiler.validate_pipeline(stages)  # fail on a bad pipeline before loading any data
+    prepare_workdir(workdir, overwrite)
+    run = build_run(stages, config, budget)
+    dataset, model, sampler, compiled, mesh = (run.dataset, run.model, run.sampler,
+                                               run.compiled, run.mesh)
+    n, total_steps, steps_per_epoch = len(dataset.train), run.total_steps, run.steps_per_epoch
+    model_name, calibration_s = run.model_name, run.compile_s
     logging.info("pipeline %s: sigma=%.5f sensitivity=%g steps=%d q=%.5g padded batch=%d "
                  "(calibrated in %.1fs)", pipeline_name, compiled.noise_multiplier,
                  compiled.sensitivity, total_steps, sampler.sampling_rate,
@@ -249,14 +293,7 @@ def train(workdir: str | Path, config: Optional[TrainConfig] = None,
     resumed_from = []
     latest = ckpts.latest_step()
     if latest is None:
-        release_batch = None
-        if compiled.needs_release_batch:
-            # a one-off accounted release before training (DP-SNIP), on a batch of the sampler
-            pre = sampler.sample(sampling.PRE_TRAINING_STEP)
-            release_batch = sharding.put_batch(compiled.batch_layout({
-                "image": dataset.train.images[pre.indices],
-                "label": dataset.train.labels[pre.indices], "mask": pre.mask}), mesh)
-        state = compiled.init_state(init_params(params_key), run_key, release_batch)
+        state = run.initial_state()
         best = {"validation_accuracy": -1.0, "step": 0,
                 "params": checkpoint.to_host(state.params)}
         nonfinite_total = 0.0
@@ -274,7 +311,7 @@ def train(workdir: str | Path, config: Optional[TrainConfig] = None,
         state = restored.state
         if config.seed is None:
             # A release run never wrote its key: the rest of the run gets fresh OS randomness.
-            state = state._replace(key=jax.device_put(run_key, replicated))
+            state = state._replace(key=jax.device_put(run.run_key, replicated))
         epsilon_then = compiled.epsilon_after(latest)
         if not math.isclose(epsilon_then, ledger["epsilon_spent"], rel_tol=1e-9):
             raise ResumeError(f"the ledger of step {latest} says epsilon "

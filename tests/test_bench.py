@@ -1,0 +1,176 @@
+"""The speed benchmark's harness (dpbench/bench.py) end to end at tiny settings, and its
+report logic on synthetic rows. No timing is asserted: only that the report holds the expected
+rows and columns with positive finite numbers."""
+
+import json
+import math
+import re
+import types
+
+from dpbench import bench
+
+COLUMNS = ["configuration", "B", "padded P", "ms/step (median)", "min–max ms", "examples/s",
+           "peak RSS (MiB)", "notes"]
+
+
+def _table(markdown: str, header_start: str) -> list:
+    """The rows (lists of cells) of the markdown table whose header starts with header_start."""
+    lines = markdown.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith(header_start))
+    rows = []
+    for line in lines[start:]:
+        if not line.startswith("|"):
+            break
+        rows.append([c.strip() for c in line.strip().strip("|").split("|")])
+    return rows
+
+
+def _number(cell: str) -> float:
+    return float(cell.replace(",", ""))
+
+
+def test_harness_runs_tiny_configurations_and_writes_the_report(tmp_path):
+    out = tmp_path / "bench.md"
+    options = bench.Options(
+        steps=3, warmup=1, batch_sizes=(64,), pipelines="dpsgd", out=str(out), skip_torch=True,
+        micro_batch_size=64, data_gin="gin/data/digits.gin", model_gin="gin/model/logistic.gin",
+        logical_batch=0, calibration=False, command="pytest tests/test_bench.py")
+    report = bench.run_benchmark(options)
+
+    text = out.read_text()
+    for section in ("## Command", "## Machine", "## Versions", "## Step times", "## Ratios",
+                    "## Targets"):
+        assert section in text
+    assert "pytest tests/test_bench.py" in text
+    assert re.search(r"- cores: \d+", text) and "jax " in text and "python " in text
+
+    table = _table(text, "| configuration |")
+    assert table[0] == COLUMNS
+    body = {row[0]: row for row in table[2:]}
+    assert set(body) == {"JAX non-private", "dpbench dpsgd"}
+    for label, row in body.items():
+        assert row[1] == "64", label
+        for column in ("ms/step (median)", "examples/s", "peak RSS (MiB)"):
+            value = _number(row[COLUMNS.index(column)])
+            assert math.isfinite(value) and value > 0, (label, column, value)
+    assert int(body["dpbench dpsgd"][2]) >= 64  # the padded Poisson batch
+
+    # The JSON next to the report holds the same rows with their raw numbers.
+    data = json.loads(out.with_suffix(".json").read_text())
+    assert [r["spec"]["label"] for r in data["rows"]] == ["JAX non-private", "dpbench dpsgd"]
+    for row in data["rows"]:
+        result = row["result"]
+        assert result["ok"], result
+        assert result["timed_steps"] == 3
+        for key in ("ms_median", "ms_min", "ms_max", "peak_rss_mib"):
+            assert math.isfinite(result[key]) and result[key] > 0, key
+        assert math.isfinite(result["final_train_loss"])
+    ratio = report["ratios"]["per_batch"]["64"]["dpsgd_over_jax_nonprivate"]
+    assert math.isfinite(ratio) and ratio > 0
+    names = {t["target"] for t in report["targets"]}
+    assert any("Opacus" in n for n in names) and any("calibration" in n for n in names)
+
+
+def _row(label, group, b, ms, peak=500.0, **spec):
+    kind = {"opacus": "opacus", "nonprivate_torch": "torch_nonprivate",
+            "nonprivate_jax": "jax_nonprivate"}.get(group, "dp")
+    result = dict(ok=ms is not None, ms_median=ms, ms_min=ms, ms_max=ms, peak_rss_mib=peak,
+                  first_step_s=1.0, padded_batch_size=b, realized_mean=float(b),
+                  torch_threads=2, micro_steps=2, micro_batch_size=128,
+                  nonempty_micro_batches_mean=2.0, noise_multiplier=1.0,
+                  sigma_calibrated=False, stages=[], dataset_size=55000)
+    if ms is None:
+        result["error"] = "RuntimeError: unsupported layer"
+    return dict(spec=dict(label=label, group=group, kind=kind, batch_size=b, **spec),
+                result=result)
+
+
+def test_ratios_targets_and_failed_rows_from_synthetic_results():
+    rows = [
+        _row("JAX non-private", "nonprivate_jax", 256, 10.0),
+        _row("torch non-private", "nonprivate_torch", 256, 40.0),
+        _row("Opacus DP-SGD (hooks)", "opacus", 256, 100.0, mode="hooks"),
+        _row("Opacus DP-SGD (ew)", "opacus", 256, None, mode="ew"),
+        _row("Opacus DP-SGD (ghost)", "opacus", 256, 80.0, mode="ghost"),
+        _row("dpbench dpsgd", "dpbench", 256, 50.0, pipeline="dpsgd", peak=600.0),
+        _row("dpbench rs", "dpbench", 256, 60.0, pipeline="rs"),
+        _row("dpbench gep (light)", "dpbench", 256, 110.0, pipeline="gep", setting="light"),
+        _row("dpbench gep (paper)", "dpbench", 256, 400.0, pipeline="gep", setting="paper"),
+        _row("dpbench dpsgd, logical batch 4096", "logical", 4096, 700.0, pipeline="dpsgd",
+             peak=660.0),
+    ]
+    ratios = bench.compute_ratios(rows, (256,))
+    entry = ratios["per_batch"]["256"]
+    assert entry["opacus_best_mode"] == "ghost"
+    assert math.isclose(entry["dpsgd_over_opacus_best"], 50 / 80)
+    assert math.isclose(entry["dpsgd_over_torch_nonprivate"], 50 / 40)
+    assert math.isclose(entry["dpsgd_over_jax_nonprivate"], 5.0)
+    assert math.isclose(entry["methods"]["dpbench rs"]["ratio"], 1.2)
+    assert math.isclose(ratios["memory"]["ratio"], 1.1)
+
+    calibration = dict(ok=True, calibration=dict(
+        rdp=dict(seconds_median=0.5, seconds_first=0.6, seconds_all=[0.5], sigma=1.1),
+        pld=dict(seconds_median=4.0, seconds_first=4.0, seconds_all=[4.0], sigma=1.0)),
+        epsilon=3.0, delta=1e-5, epochs=30, expected_batch_size=1024, padded_batch_size=1280,
+        dataset_size=55000, total_steps=1612)
+    found = {t["target"]: t["holds"] for t in bench.targets(ratios, calibration)}
+    assert found["B=256: dpbench DP-SGD <= 1.0x Opacus best mode (ghost)"] is True
+    assert found["B=256: dpbench DP-SGD <= 1.5x non-private torch"] is True
+    assert found["B=256: dpbench rs <= 1.15x DP-SGD"] is False
+    assert found["B=256: dpbench gep (light) <= 2.5x DP-SGD"] is True
+    assert not any("gep (paper)" in name for name in found)  # reported, no target
+    assert found["peak memory, logical batch 4096 <= 1.5x that of B=256"] is True
+    assert found["sigma calibration with RDP <= 1 s"] is True
+    assert found["sigma calibration with PLD <= 3 s"] is False
+
+    report = dict(command="cmd", started="now", machine=bench.machine_facts(),
+                  versions=bench.versions(), options=bench.dataclasses.asdict(bench.Options()),
+                  torch_note="synthetic", rows=rows, calibration=calibration, ratios=ratios,
+                  targets=bench.targets(ratios, calibration))
+    text = bench.render(report)
+    table = _table(text, "| configuration |")
+    assert table[0] == COLUMNS and len(table) == 2 + len(rows)
+    failed = [r for r in table[2:] if r[0] == "Opacus DP-SGD (ew)"][0]
+    assert failed[3] == "failed" and "RuntimeError: unsupported layer" in failed[-1]
+    assert "| rdp | 1.10000 | 0.500 |" in text
+    assert "| sigma calibration with PLD <= 3 s | 4.00 s | **no** |" in text
+
+
+def test_torch_twin_computes_the_same_function_as_the_tanh_cnn():
+    """The Opacus rows' model is dpbench's TanhCNN layer for layer (weights copied over)."""
+    import pytest
+    torch = pytest.importorskip("torch")
+    import jax
+    import numpy as np
+
+    from dpbench import models
+
+    model = models.make_model(10, name="tanh_cnn")
+    images = np.random.default_rng(0).uniform(size=(5, 28, 28, 1)).astype(np.float32)
+    params = model.init(jax.random.key(0), images[:1])["params"]
+    twin = bench.make_torch_tanh_cnn(10)
+    assert sum(p.numel() for p in twin.parameters()) == sum(
+        x.size for x in jax.tree.leaves(params)) == 26010
+
+    def t(a):
+        return torch.from_numpy(np.ascontiguousarray(np.asarray(a)))
+
+    with torch.no_grad():
+        for conv, name in ((twin.conv0, "Conv_0"), (twin.conv1, "Conv_1")):
+            conv.weight.copy_(t(np.asarray(params[name]["kernel"]).transpose(3, 2, 0, 1)))
+            conv.bias.copy_(t(params[name]["bias"]))
+        dense0 = np.asarray(params["Dense_0"]["kernel"])  # rows in (h, w, c) order
+        twin.fc0.weight.copy_(t(dense0.reshape(4, 4, 32, 32).transpose(3, 2, 0, 1)
+                                .reshape(32, 512)))
+        twin.fc0.bias.copy_(t(params["Dense_0"]["bias"]))
+        twin.fc1.weight.copy_(t(np.asarray(params["Dense_1"]["kernel"]).T))
+        twin.fc1.bias.copy_(t(params["Dense_1"]["bias"]))
+        ours = np.asarray(model.apply({"params": params}, images))
+        fake = types.SimpleNamespace(train=types.SimpleNamespace(
+            images=images, labels=np.zeros(5, np.int32)))
+        batch, _ = bench._torch_batch(torch, fake, np.arange(5))
+        # NCHW strides, not the channels_last ones a 1-channel transposed view would get (with
+        # those, Opacus's hooks-mode conv grad sampler returns wrong per-sample gradients).
+        assert batch.stride() == (784, 784, 28, 1)
+        theirs = twin(batch).numpy()
+    np.testing.assert_allclose(theirs, ours, rtol=1e-4, atol=1e-5)

@@ -15,12 +15,31 @@ MODELS = ("tanh_cnn", "mlp", "logistic")
 ACTIVATIONS = {"tanh": nn.tanh, "relu": nn.relu, "identity": lambda x: x}
 
 
+def image_patches(x, kernel_size: tuple, strides: tuple, padding: str):
+    """The (kh, kw, C)-ordered patches of NHWC images x, as strided slices of the padded input.
+
+    Same values as lax.conv_general_dilated_patches (up to the feature order), but its gradient
+    is pads and adds: XLA's CPU transpose of conv_general_dilated_patches is a convolution that
+    made the tanh CNN's backward pass about 20x slower (tools/ probe, 2 CPU cores).
+    """
+    kh, kw = kernel_size
+    sh, sw = strides
+    pads = lax.padtype_to_pads(x.shape[-3:-1], (kh, kw), (sh, sw), padding)
+    if any(lo or hi for lo, hi in pads):
+        x = jnp.pad(x, [(0, 0)] * (x.ndim - 3) + list(pads) + [(0, 0)])
+    out_h = (x.shape[-3] - kh) // sh + 1
+    out_w = (x.shape[-2] - kw) // sw + 1
+    return jnp.concatenate(
+        [x[..., i:i + sh * (out_h - 1) + 1:sh, j:j + sw * (out_w - 1) + 1:sw, :]
+         for i in range(kh) for j in range(kw)], axis=-1)
+
+
 class PatchConv(nn.Module):
     """A 2-D convolution computed as image patches times a matrix; same parameters as nn.Conv.
 
     XLA's CPU convolutions are slow under vmap for per-example gradients; as patches + matmul
-    the per-example gradient is a batched outer product (about 4x faster for the tanh CNN's
-    step on 2 CPU cores, measured in tools/). Outputs equal nn.Conv's to float rounding.
+    the per-example gradient is a batched outer product. Outputs equal nn.Conv's to float
+    rounding.
     """
 
     features: int
@@ -35,12 +54,15 @@ class PatchConv(nn.Module):
         kernel = self.param("kernel", nn.initializers.lecun_normal(),
                             (kh, kw, cin, self.features))
         bias = self.param("bias", nn.initializers.zeros, (self.features,))
-        patches = lax.conv_general_dilated_patches(
-            x, (kh, kw), self.strides, self.padding,
-            dimension_numbers=("NHWC", "HWIO", "NHWC"))
-        # conv_general_dilated_patches orders the patch features as (C, kh, kw).
-        matrix = kernel.transpose(2, 0, 1, 3).reshape(cin * kh * kw, self.features)
-        return patches @ matrix + bias
+        patches = image_patches(x, self.kernel_size, self.strides, self.padding)
+        return patches @ kernel.reshape(kh * kw * cin, self.features) + bias
+
+
+def max_pool_2x2_stride_1(x):
+    """nn.max_pool(x, (2, 2), strides=(1, 1), padding='VALID') as the maximum of four shifted
+    views: same values, and a gradient of selects instead of XLA's slow CPU select-and-scatter."""
+    return jnp.maximum(jnp.maximum(x[..., :-1, :-1, :], x[..., 1:, :-1, :]),
+                       jnp.maximum(x[..., :-1, 1:, :], x[..., 1:, 1:, :]))
 
 
 def conv_layer(conv_impl: str, features: int, kernel_size: tuple, strides: tuple, padding: str,
@@ -72,9 +94,9 @@ class TanhCNN(nn.Module):
                 else h
 
         x = act(norm(conv_layer(self.conv_impl, 16, (8, 8), (2, 2), "SAME", "Conv_0")(x)))
-        x = nn.max_pool(x, (2, 2), strides=(1, 1), padding="VALID")
+        x = max_pool_2x2_stride_1(x)
         x = act(norm(conv_layer(self.conv_impl, 32, (4, 4), (2, 2), "VALID", "Conv_1")(x)))
-        x = nn.max_pool(x, (2, 2), strides=(1, 1), padding="VALID")
+        x = max_pool_2x2_stride_1(x)
         x = x.reshape(x.shape[:-3] + (-1,))
         x = act(nn.Dense(32)(x))
         return nn.Dense(self.num_classes)(x)

@@ -33,7 +33,7 @@ def test_harness_runs_tiny_configurations_and_writes_the_report(tmp_path):
     out = tmp_path / "bench.md"
     options = bench.Options(
         steps=3, warmup=1, batch_sizes=(64,), pipelines="dpsgd", out=str(out), skip_torch=True,
-        micro_batch_size=64, data_gin="gin/data/digits.gin", model_gin="gin/model/logistic.gin",
+        micro_batch_sizes=((None, 64),), data_gin="gin/data/digits.gin", model_gin="gin/model/logistic.gin",
         logical_batch=0, calibration=False, command="pytest tests/test_bench.py")
     report = bench.run_benchmark(options)
 
@@ -174,3 +174,12 @@ def test_torch_twin_computes_the_same_function_as_the_tanh_cnn():
         assert batch.stride() == (784, 784, 28, 1)
         theirs = twin(batch).numpy()
     np.testing.assert_allclose(theirs, ours, rtol=1e-4, atol=1e-5)
+
+
+def test_micro_batch_sizes_per_batch_size_with_a_default():
+    sizes = bench.parse_micro_batch_sizes(["256:64", "128"])
+    assert sizes == ((256, 64), (None, 128))
+    options = bench.Options(micro_batch_sizes=sizes)
+    assert bench.micro_batch_size_for(options, 256) == 64
+    assert bench.micro_batch_size_for(options, 1024) == 128
+    assert "train.micro_batch_size = 64" in bench._bindings(options, 256)

@@ -17,6 +17,27 @@ def test_patch_conv_equals_flax_conv(strides, padding):
     patch = models.PatchConv(5, (4, 3), strides, padding)
     np.testing.assert_allclose(jax.jit(patch.apply)(params, x), conv.apply(params, x),
                                rtol=1e-5, atol=1e-5)
+    # the gradients (parameters and input) are nn.Conv's too
+    cotangent = jnp.asarray(rng.normal(size=conv.apply(params, x).shape).astype(np.float32))
+    grad_patch = jax.jit(jax.grad(lambda p, x: jnp.vdot(patch.apply(p, x), cotangent),
+                                  argnums=(0, 1)))(params, x)
+    grad_conv = jax.grad(lambda p, x: jnp.vdot(conv.apply(p, x), cotangent),
+                         argnums=(0, 1))(params, x)
+    for got, want in zip(jax.tree.leaves(grad_patch), jax.tree.leaves(grad_conv)):
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_max_pool_2x2_stride_1_equals_flax_max_pool_with_its_gradient():
+    rng = np.random.default_rng()
+    x = jnp.asarray(rng.normal(size=(3, 9, 7, 4)).astype(np.float32))  # no ties: continuous
+    def flax_pool(h):
+        return nn.max_pool(h, (2, 2), strides=(1, 1), padding="VALID")
+    pooled = jax.jit(models.max_pool_2x2_stride_1)(x)
+    np.testing.assert_array_equal(pooled, flax_pool(x))
+    cotangent = jnp.asarray(rng.normal(size=pooled.shape).astype(np.float32))
+    np.testing.assert_allclose(
+        jax.jit(jax.grad(lambda h: jnp.vdot(models.max_pool_2x2_stride_1(h), cotangent)))(x),
+        jax.grad(lambda h: jnp.vdot(flax_pool(h), cotangent))(x), rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize("name", models.MODELS)

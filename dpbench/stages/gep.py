@@ -75,10 +75,14 @@ def power_basis(anchor_grads, key, k: int, iterations: int):
 @register_stage("gep.embed_and_clip")
 def embed_and_clip(num_basis: int = 200, num_anchors: int = 512, embedding_bound: float = 0.1,
                    residual_bound: float = 0.02, power_iterations: int = 1,
-                   biased: bool = False) -> Stage:
-    """GEP's projection and the two clips (PER_EXAMPLE -> BOUNDED, two parts of norm <= 1)."""
+                   biased: bool = False, anchor_chunk: int = 64) -> Stage:
+    """GEP's projection and the two clips (PER_EXAMPLE -> BOUNDED, two parts of norm <= 1).
+
+    anchor_chunk: anchor gradients are computed that many at a time (a speed knob only: the
+    basis is the same; 64 at a time was 2x faster than all 512 at once on 2 CPU cores).
+    """
     for name, value in (("num_basis", num_basis), ("num_anchors", num_anchors),
-                        ("power_iterations", power_iterations)):
+                        ("power_iterations", power_iterations), ("anchor_chunk", anchor_chunk)):
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"gep.embed_and_clip.{name} must be an integer >= 1, got {value!r}")
     for name, value in (("embedding_bound", embedding_bound),
@@ -112,8 +116,9 @@ def embed_and_clip(num_basis: int = 200, num_anchors: int = 512, embedding_bound
         def begin_step(state, ctx):
             label_key, basis_key = jax.random.split(ctx.key)
             labels = jax.random.randint(label_key, (num_anchors,), 0, num_classes)
-            grads = jax.vmap(jax.grad(ctx.loss_fn), (None, 0, 0))(ctx.params, state["anchors"],
-                                                                 labels)
+            anchor_grad = jax.grad(ctx.loss_fn)
+            grads = jax.lax.map(lambda xy: anchor_grad(ctx.params, *xy),
+                                (state["anchors"], labels), batch_size=anchor_chunk)
             grouped = _groups(grads)
             basis = {}
             for i, g in enumerate(sorted(ks)):

@@ -56,6 +56,25 @@ def test_basis_is_orthonormal_and_independent_of_private_data():
         np.testing.assert_allclose(basis @ basis.T, np.eye(len(basis)), atol=1e-4)
 
 
+def test_anchor_chunk_is_a_speed_knob_only():
+    params = None
+    bases = []
+    for chunk in (16, 5):  # all at once, and chunks with a remainder
+        public, _ = random_data(16, seed=99)
+        pipeline = _gep_pipeline()
+        pipeline[1] = stages.gep.embed_and_clip(num_basis=6, num_anchors=16, embedding_bound=0.3,
+                                                residual_bound=0.1, anchor_chunk=chunk)
+        compiled, init_params, _ = compile_small(
+            pipeline, n=N, batch_size=N, micro=8, noise_multiplier=1.0, padded_batch_size=N,
+            model_name="mlp", public_images=public)
+        params = init_params(jax.random.key(0)) if params is None else params
+        images, labels = random_data(N)
+        b = compiled.sampler.sample(0)
+        bases.append(_run(compiled, params, images, labels, b.mask).stage_states[1]["basis"])
+    for g in bases[0]:
+        np.testing.assert_allclose(np.asarray(bases[0][g]), np.asarray(bases[1][g]), atol=1e-4)
+
+
 def test_reconstruction_without_clipping_or_noise_is_the_gradient_sum():
     compiled, init_params, loss_fn = _compile(noise=0.0, s1=1e6, s2=1e6)
     params = init_params(jax.random.key(0))

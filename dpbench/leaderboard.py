@@ -22,6 +22,7 @@ import json
 import re
 import sys
 from pathlib import Path
+from typing import Optional
 
 import numpy as np
 
@@ -112,7 +113,34 @@ def load_audits(directory) -> dict:
     return out
 
 
-def summarize(records: list[dict], audits: dict, out_dir: Path) -> dict:
+def load_perf(path) -> dict:
+    """(pipeline, batch size) -> median ms/step from the speed benchmark's JSON
+    (``leaderboard/PERF.json``, written next to PERF.md); GEP's default (light) setting."""
+    if path is None or not Path(path).is_file():
+        return {}
+    out = {}
+    for row in json.loads(Path(path).read_text())["rows"]:
+        spec, result = row["spec"], row["result"]
+        if (spec.get("group") == "dpbench" and spec.get("setting") in (None, "light")
+                and result.get("ok")):
+            out[(spec["pipeline"], int(spec["batch_size"]))] = float(result["ms_median"])
+    return out
+
+
+def _step_ratio(row: dict, base: Optional[dict], perf: dict) -> tuple:
+    """The method's step time over DP-SGD's: from the speed benchmark at the run's batch size
+    (measured side by side on a quiet machine) when it has both, else from the runs' own median
+    step times (which may have shared the machine). Returns (ratio, source)."""
+    b = row["batch_size"]
+    if (row["method"], b) in perf and (BASELINE, b) in perf:
+        return perf[(row["method"], b)] / perf[(BASELINE, b)], "bench"
+    if base is None:
+        return None, None
+    return row["step_s"] / base["step_s"], "runs"
+
+
+def summarize(records: list[dict], audits: dict, out_dir: Path,
+              perf: Optional[dict] = None) -> dict:
     """group -> list of method rows (sorted by test accuracy, best first)."""
     groups = {}
     for record in records:
@@ -148,7 +176,7 @@ def summarize(records: list[dict], audits: dict, out_dir: Path) -> dict:
         base = next((r for r in rows if r["method"] == BASELINE), None)
         for row in rows:
             row["gain"] = None if base is None else row["test_mean"] - base["test_mean"]
-            row["step_ratio"] = None if base is None else row["step_s"] / base["step_s"]
+            row["step_ratio"], row["step_source"] = _step_ratio(row, base, perf or {})
         rows.sort(key=lambda r: (-r["test_mean"], r["method"]))
         table[group] = rows
     return table
@@ -179,7 +207,8 @@ def _cells(row) -> list[str]:
             str(row["seeds"]), str(row["configs_tried"]), f"{row['noise_multiplier']:.4f}",
             str(row["steps"]), str(row["batch_size"]), f"{row['epochs']:g}",
             f"{row['epsilon']:.4f}", row["accountant"], row["sampling"],
-            _fmt(row["step_ratio"], ".2f") + ("x" if row["step_ratio"] is not None else ""),
+            _fmt(row["step_ratio"], ".2f") + ("" if row["step_ratio"] is None else
+                                               "x" if row["step_source"] == "bench" else "x†"),
             _fmt(row["audit_epsilon_lb"], ".3f"), _fmt(row["fidelity_cosine"], ".3f"),
             _fmt(row["noise_to_signal"], ".2f"), str(row["statement"])]
 
@@ -191,7 +220,9 @@ def render_markdown(table: dict, plots: dict, note: str = "") -> str:
              "accuracy is shown; test accuracy is the mean ± std over its seeds (percent). "
              "'configs tried' counts that method's configurations (tuning is not free in "
              "privacy terms). cos(release, clean) and noise/signal are non-private diagnostics "
-             "(means over training) where the runs recorded them.", ""]
+             "(means over training) where the runs recorded them. Step time vs DP-SGD is the "
+             "speed benchmark's ratio at the run's batch size (`PERF.md`); x† marks a ratio "
+             "of the runs' own median step times (no benchmark row).", ""]
     if note:
         lines += [note.strip(), ""]
     for group, rows in table.items():
@@ -217,7 +248,8 @@ def render_html(table: dict, plots: dict, note: str = "") -> str:
              "<h1>dpbench leaderboard</h1>",
              "<p>Per method, the configuration with the best mean validation accuracy; test "
              "accuracy is mean ± std over seeds (percent). Generated from run records by "
-             "<code>dpbench leaderboard</code>.</p>"]
+             "<code>dpbench leaderboard</code>. Step time vs DP-SGD: the speed benchmark's "
+             "ratio at the run's batch size (PERF.md); x† marks the runs' own step times.</p>"]
     if note:
         parts.append("<pre class='note'>" + html.escape(note.strip()) + "</pre>")
     for group, rows in table.items():
@@ -270,10 +302,11 @@ def plot_groups(table: dict, out_dir: Path) -> dict:
     return plots
 
 
-def build(records_dir, out_dir, audits_dir=None) -> dict:
+def build(records_dir, out_dir, audits_dir=None, perf_json=None) -> dict:
     """Validates the records and writes README.md, index.html and plots/ into ``out_dir``."""
     out_dir = Path(out_dir)
-    table = summarize(load_records(Path(records_dir)), load_audits(audits_dir), out_dir)
+    table = summarize(load_records(Path(records_dir)), load_audits(audits_dir), out_dir,
+                      load_perf(perf_json))
     plots = plot_groups(table, out_dir)
     note_path = Path(records_dir) / "NOTE.md"  # the board's caveats, part of its inputs
     note = note_path.read_text() if note_path.exists() else ""
@@ -289,9 +322,11 @@ def main(argv=None) -> int:
     parser.add_argument("--records", default="leaderboard/records")
     parser.add_argument("--audits", default="leaderboard/audits")
     parser.add_argument("--out", default="leaderboard")
+    parser.add_argument("--perf", default="leaderboard/PERF.json",
+                        help="the speed benchmark's JSON (python -m dpbench.bench --out=X.md)")
     args = parser.parse_args(argv)
     try:
-        table = build(args.records, args.out, args.audits)
+        table = build(args.records, args.out, args.audits, args.perf)
     except LeaderboardError as e:
         print(f"dpbench: error: {e}", file=sys.stderr)
         return 2

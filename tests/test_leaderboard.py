@@ -55,6 +55,25 @@ def test_the_configuration_is_chosen_on_validation_not_test(records, tmp_path):
     assert rows["dpsgd"]["test_std"] == pytest.approx(0.001)
 
 
+def test_step_ratio_comes_from_the_speed_benchmark_at_the_runs_batch_size(records, tmp_path):
+    def perf_row(pipeline, b, ms, setting=None, ok=True):
+        return {"spec": {"group": "dpbench", "pipeline": pipeline, "batch_size": b,
+                         "setting": setting}, "result": {"ok": ok, "ms_median": ms}}
+    perf = tmp_path / "PERF.json"
+    perf.write_text(json.dumps({"rows": [
+        perf_row("dpsgd", 1024, 100.0), perf_row("rs", 1024, 150.0),
+        perf_row("dpsgd", 256, 10.0), perf_row("rs", 256, 99.0),  # another batch size
+        perf_row("rs", 1024, 500.0, setting="paper")]}))  # not the pipeline's own setting
+    table = leaderboard.build(records, tmp_path / "board", perf_json=perf)
+    rows = {r["method"]: r for r in table[GROUP]}
+    assert rows["rs"]["step_ratio"] == pytest.approx(1.5) and rows["rs"]["step_source"] == "bench"
+    assert "| 1.50x |" in (tmp_path / "board" / "README.md").read_text()
+    # without the benchmark: the runs' own step times, marked
+    table = leaderboard.build(records, tmp_path / "board")
+    assert {r["method"]: r for r in table[GROUP]}["rs"]["step_source"] == "runs"
+    assert "| 1.20x† |" in (tmp_path / "board" / "README.md").read_text()
+
+
 def test_two_regenerations_give_identical_bytes(records, tmp_path):
     outputs = []
     for name in ("one", "two"):

@@ -65,18 +65,24 @@ def gradients(rate: float = 0.5, criterion: str = "random") -> Stage:
                          f"got {criterion!r}")
 
     def init(params, key, info):
-        del params, info
-        return {"mask_key": key}
+        del info
+        return {"mask_key": key, "mask": jax.tree.map(jnp.ones_like, params)}
 
-    def mask_for(state, ctx):
-        return drop_mask(criterion, rate, ctx.params, state["mask_key"], ctx.step)
+    def begin_step(state, ctx):
+        # Once per step, not per micro-batch: the mask reads only public inputs (the stage key,
+        # the step, the parameters), and its sort was most of DP-SSGD's step time.
+        return dict(state, mask=drop_mask(criterion, rate, ctx.params, state["mask_key"],
+                                          ctx.step))
 
     def apply(grads, state, ctx):
-        return jax.tree.map(jnp.multiply, grads, mask_for(state, ctx))
+        del ctx
+        return jax.tree.map(jnp.multiply, grads, state["mask"])
 
     def after_release(released, state, ctx):
-        return jax.tree.map(jnp.multiply, released, mask_for(state, ctx))
+        del ctx
+        return jax.tree.map(jnp.multiply, released, state["mask"])
 
     return Stage(name="drop.gradients", kind_in=Kind.PER_EXAMPLE, kind_out=Kind.PER_EXAMPLE,
-                 apply=apply, init=init, after_release=after_release,
+                 apply=apply, init=init, begin_step=begin_step,
+                 after_release=after_release,
                  options=dict(rate=rate, criterion=criterion))

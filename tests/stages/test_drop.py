@@ -11,6 +11,11 @@ def _ctx(params, step):
     return StepContext(params=params, step=jnp.asarray(step, jnp.int32), key=jax.random.key(0))
 
 
+def _at_step(stage, state, params, step):
+    """The stage's state after its once-per-step begin_step (as the compiled step runs it)."""
+    return stage.begin_step(state, _ctx(params, step))
+
+
 @pytest.mark.parametrize("criterion", ["random", "magnitude"])
 def test_drops_exactly_the_rate_per_layer(criterion):
     rng = np.random.default_rng()
@@ -19,7 +24,8 @@ def test_drops_exactly_the_rate_per_layer(criterion):
     stage = stages.drop.gradients(rate=0.6, criterion=criterion)
     state = stage.init(params, jax.random.key(1), None)
     ones = jax.tree.map(jnp.ones_like, params)
-    out = jax.jit(lambda g: stage.apply(g, state, _ctx(params, 3)))(ones)
+    out = jax.jit(lambda g: stage.apply(g, _at_step(stage, state, params, 3),
+                                        _ctx(params, 3)))(ones)
     assert int(jnp.sum(out["a"] == 0)) == int(0.6 * 1000)
     assert int(jnp.sum(out["b"] == 0)) == 0  # biases are never dropped
     if criterion == "magnitude":
@@ -39,8 +45,8 @@ def test_the_rate_applies_to_the_weights_left_after_pre_pruning(criterion):
     params = {"w": jnp.asarray(weights)}
     stage = stages.drop.gradients(rate=0.5, criterion=criterion)
     state = stage.init(params, jax.random.key(1), None)
-    out = jax.jit(lambda g: stage.apply(g, state, _ctx(params, 2)))(
-        {"w": jnp.ones((40, 50))})
+    out = jax.jit(lambda g: stage.apply(g, _at_step(stage, state, params, 2),
+                                        _ctx(params, 2)))({"w": jnp.ones((40, 50))})
     kept = np.asarray(out["w"]).ravel() != 0
     assert not np.any(kept & pruned)          # pruned weights are never updated
     assert kept.sum() == 1000 - int(0.5 * 1000)  # half of the remaining ones are dropped
@@ -50,7 +56,8 @@ def test_random_mask_is_fresh_each_step_and_independent_of_private_values():
     params = {"w": jnp.ones((50, 100))}
     stage = stages.drop.gradients(rate=0.5, criterion="random")
     state = stage.init(params, jax.random.key(2), None)
-    apply = jax.jit(lambda g, s: stage.apply(g, state, _ctx(params, s)))
+    apply = jax.jit(lambda g, s: stage.apply(g, _at_step(stage, state, params, s),
+                                             _ctx(params, s)))
     ones = {"w": jnp.ones((50, 100))}
     private = {"w": jnp.asarray(np.random.default_rng().normal(size=(50, 100)) + 5,
                                 jnp.float32)}
@@ -63,6 +70,7 @@ def test_noise_is_removed_on_dropped_coordinates():
     stage = stages.drop.gradients(rate=0.3, criterion="magnitude")
     state = stage.init(params, jax.random.key(0), None)
     noisy = {"w": jnp.full((30, 100), 2.0)}
+    state = _at_step(stage, state, params, 0)
     out = stage.after_release(noisy, state, _ctx(params, 0))["w"]
     mask = stage.apply({"w": jnp.ones((30, 100))}, state, _ctx(params, 0))["w"]
     np.testing.assert_array_equal(out, 2.0 * mask)

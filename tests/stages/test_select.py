@@ -126,3 +126,11 @@ def test_random_k_mask_does_not_depend_on_private_values():
     b = built.apply({"w": jnp.asarray(np.random.default_rng().normal(size=40))}, state,
                     ctx._replace(key=jax.random.key(10)))[1]["mask"]
     np.testing.assert_array_equal(a["w"], b["w"])
+
+
+def test_row_ranks_is_the_inverse_of_a_stable_argsort_with_ties():
+    rng = np.random.default_rng()
+    scores = rng.integers(0, 5, size=(7, 64)).astype(np.float32)  # many ties
+    scores[0] = np.inf  # a row of masked-out entries
+    want = np.argsort(np.argsort(scores, axis=-1, kind="stable"), axis=-1, kind="stable")
+    np.testing.assert_array_equal(jax.jit(select.row_ranks)(jnp.asarray(scores)), want)

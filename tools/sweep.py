@@ -8,8 +8,8 @@ Usage:
 Each run's workdir is <records>/fashion_mnist__tanh_cnn__eps<E>__delta1e-05/<method>-<config>-
 seed<S>; a workdir with a run record is skipped and one with checkpoints resumes, so the sweep
 can be interrupted and rerun. Configurations are chosen by the board on validation accuracy only;
-'configs tried' on the board counts them. Cost on 2 CPU cores: about 6 minutes per run (GEP
-about 10), so the full grid below is a GPU job or a long weekend.
+'configs tried' on the board counts them. Cost on 2 CPU cores: about 6 minutes per run (GEP and
+B-GEP about 17), so the full grid below is a GPU job or a long weekend.
 """
 
 from __future__ import annotations

@@ -39,7 +39,6 @@ import sys
 import tempfile
 import time
 import traceback
-from importlib import metadata
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -754,13 +753,8 @@ def machine_facts() -> dict:
 
 
 def versions() -> dict:
-    out = {"python": platform.python_version()}
-    for name in VERSION_PACKAGES:
-        try:
-            out[name] = metadata.version(name)
-        except metadata.PackageNotFoundError:
-            out[name] = None
-    return out
+    from dpbench import records
+    return records.versions(VERSION_PACKAGES)
 
 
 def _fmt(x, digits=1) -> str:

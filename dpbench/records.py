@@ -80,9 +80,10 @@ def read_metrics(workdir: Path) -> list[dict]:
     return rows
 
 
-def versions() -> dict:
+def versions(packages=PACKAGES) -> dict:
+    """Python's version and each package's installed version (None where not installed)."""
     out = {"python": platform.python_version()}
-    for name in PACKAGES:
+    for name in packages:
         try:
             out[name] = metadata.version(name)
         except metadata.PackageNotFoundError:

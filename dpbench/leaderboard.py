@@ -7,8 +7,11 @@ lacks a field, or whose dataset, model, target (epsilon, delta) differ from its 
 reported epsilon exceeds the target, is rejected with its path.
 
 Per group and method (the record's ``pipeline`` name), configurations are the distinct settings
-apart from the seed; the configuration with the best mean VALIDATION accuracy is chosen and its
-test accuracy reported as mean +- std over its seeds, with the number of configurations tried.
+apart from the seed. ``choose_configuration`` picks the one with the best mean VALIDATION
+accuracy over the seeds that every configuration of the method has run (so extra seeds of one
+configuration cannot tilt the choice); its test accuracy is reported as mean +- std over all its
+seeds, with the number of configurations tried. ``tools/sweep.py`` uses the same function to
+decide which configuration gets the extra seeds.
 The same records always give the same bytes (sorted order, fixed formats, SVG without dates).
 ``<records>/NOTE.md``, when present, is shown at the top of the board (its caveats).
 """
@@ -97,6 +100,51 @@ def config_key(record: dict) -> str:
     return hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()[:12]
 
 
+def choose_configuration(configs: dict) -> tuple:
+    """The configuration chosen on validation: ``configs`` maps a config key to its records.
+
+    The score is the mean validation accuracy over the selection seeds: the seeds that every
+    configuration has run (typically the sweep's seed 0, before the winner gets more seeds).
+    When no seed is shared, each configuration's mean over all its seeds is used. Ties go to
+    the smaller key, so the choice is deterministic. Test accuracy is never read.
+    Returns (key, selection seeds (sorted list, or None when none is shared), score)."""
+    seed_sets = [{str(r["seed"]) for r in runs} for runs in configs.values()]
+    shared = set.intersection(*seed_sets) if seed_sets else set()
+
+    def score(runs):
+        chosen = [r for r in runs if str(r["seed"]) in shared] if shared else runs
+        return float(np.mean([r["validation_accuracy"] for r in chosen]))
+
+    best = min(configs, key=lambda key: (-score(configs[key]), key))
+    return best, (sorted(shared) if shared else None), score(configs[best])
+
+
+def _flat_settings(record: dict) -> dict:
+    """'stage' -> True and 'stage.parameter' -> value for every stage, plus the run-level
+    settings that config_key compares."""
+    flat = {}
+    for stage in record["stages"]:
+        name = stage["name"]
+        flat[name] = True
+        flat.update({f"{name}.{k}": v for k, v in stage.items() if k != "name"})
+    flat.update({f"train.{k}": record[k] for k in ("batch_size", "epochs", "ema_decay")})
+    flat["budget.accountant"] = record["accountant"]
+    return flat
+
+
+def config_label(chosen: dict, others: list[dict]) -> str:
+    """What sets the chosen configuration apart from the method's other ones ('default' when it
+    is the only one): stages that not all of them have, and settings that differ. A stage
+    named this way is not followed by its own parameters."""
+    mine = _flat_settings(chosen)
+    theirs = [_flat_settings(r) for r in others]
+    differing = sorted(k for k in mine if any(t.get(k) != mine[k] for t in theirs))
+    stages = [k for k in differing if mine[k] is True]
+    settings = [f"{k}={mine[k]}" for k in differing
+                if mine[k] is not True and k.rsplit(".", 1)[0] not in stages]
+    return ", ".join(stages + settings) or "default"
+
+
 def _mean_std(values):
     values = np.asarray(values, float)
     return float(values.mean()), float(values.std(ddof=1)) if len(values) > 1 else 0.0
@@ -150,16 +198,17 @@ def summarize(records: list[dict], audits: dict, out_dir: Path,
     for group, methods in sorted(groups.items()):
         rows = []
         for method, configs in sorted(methods.items()):
-            scored = sorted(((_mean_std([r["validation_accuracy"] for r in runs])[0], key, runs)
-                             for key, runs in configs.items()), key=lambda t: (-t[0], t[1]))
-            val_mean, key, runs = scored[0]
-            runs = sorted(runs, key=lambda r: (str(r["seed"]), str(r["_path"])))
+            key, selection_seeds, val_mean = choose_configuration(configs)
+            runs = sorted(configs[key], key=lambda r: (str(r["seed"]), str(r["_path"])))
+            others = [sorted(v, key=lambda r: str(r["_path"]))[0]
+                      for k, v in sorted(configs.items()) if k != key]
             test_mean, test_std = _mean_std([r["test_accuracy"] for r in runs])
             first = runs[0]
             fidelity = [r["fidelity"] for r in runs if r.get("fidelity")]
             audit = audits.get(method)
             rows.append(dict(
-                method=method, config=key, configs_tried=len(configs), seeds=len(runs),
+                method=method, config=key, config_label=config_label(runs[0], others),
+                selection_seeds=selection_seeds, configs_tried=len(configs), seeds=len(runs),
                 test_mean=test_mean, test_std=test_std, validation_mean=val_mean,
                 noise_multiplier=first["noise_multiplier"], steps=first["steps"],
                 batch_size=first["batch_size"], epochs=first["epochs"],
@@ -194,14 +243,21 @@ def _fmt(value, spec, missing="n/a"):
     return missing if value is None else format(value, spec)
 
 
-COLUMNS = ("method", "test acc (mean ± std)", "gain vs DP-SGD", "seeds", "configs tried",
+COLUMNS = ("method", "configuration (chosen on validation)", "test acc (mean ± std)", "gain vs DP-SGD", "seeds", "configs tried",
            "σ", "steps", "batch", "epochs", "ε (reported)", "accountant", "sampling",
            "step time vs DP-SGD", "audit ε_lb", "cos(release, clean)", "noise/signal",
            "privacy statement")
 
 
+SELECTION_RULE = ("Per method, the configuration with the best mean validation accuracy over "
+                  "the seeds all its configurations ran (the sweep's seed 0) is shown; test "
+                  "accuracy is the mean ± std over all of that configuration's seeds (percent); "
+                  "test accuracy never picks anything. 'configuration' names what sets the "
+                  "chosen one apart from the method's others.")
+
+
 def _cells(row) -> list[str]:
-    return [row["method"],
+    return [row["method"], row["config_label"],
             f"{100 * row['test_mean']:.2f} ± {100 * row['test_std']:.2f}",
             _fmt(None if row["gain"] is None else 100 * row["gain"], "+.2f"),
             str(row["seeds"]), str(row["configs_tried"]), f"{row['noise_multiplier']:.4f}",
@@ -216,8 +272,7 @@ def _cells(row) -> list[str]:
 def render_markdown(table: dict, plots: dict, note: str = "") -> str:
     lines = ["# dpbench leaderboard", "",
              "Generated by `dpbench leaderboard` from the run records under `records/` (do not "
-             "edit by hand). Per method, the configuration with the best mean validation "
-             "accuracy is shown; test accuracy is the mean ± std over its seeds (percent). "
+             "edit by hand). " + SELECTION_RULE + " "
              "'configs tried' counts that method's configurations (tuning is not free in "
              "privacy terms). cos(release, clean) and noise/signal are non-private diagnostics "
              "(means over training) where the runs recorded them. Step time vs DP-SGD is the "
@@ -246,8 +301,7 @@ def render_html(table: dict, plots: dict, note: str = "") -> str:
              "td,th{border:1px solid #999;padding:4px 8px;text-align:right}"
              "td:first-child{text-align:left}img{max-width:720px}</style></head><body>",
              "<h1>dpbench leaderboard</h1>",
-             "<p>Per method, the configuration with the best mean validation accuracy; test "
-             "accuracy is mean ± std over seeds (percent). Generated from run records by "
+             "<p>" + html.escape(SELECTION_RULE) + " Generated from run records by "
              "<code>dpbench leaderboard</code>. Step time vs DP-SGD: the speed benchmark's "
              "ratio at the run's batch size (PERF.md); x† marks the runs' own step times.</p>"]
     if note:

@@ -120,17 +120,25 @@ def test_a_real_run_record_is_accepted(tmp_path):
     assert row["method"] == "dpsgd" and row["gain"] == 0.0
 
 
-def test_every_sweep_configuration_parses_and_names_its_method():
+def _load_sweep():
     import importlib.util
     from tests.conftest import REPO_ROOT
     spec = importlib.util.spec_from_file_location("sweep", REPO_ROOT / "tools" / "sweep.py")
     sweep = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(sweep)
+    return sweep
+
+
+def test_every_sweep_configuration_parses_and_names_its_method():
+    sweep = _load_sweep()
     for method, configs in sweep.GRID.items():
         for gin_file, bindings in configs.values():
-            main.parse_config([gin_file], list(bindings))
+            main.parse_config([gin_file], [*sweep.SWEEP_BINDINGS, *bindings])
             name, stages = train.pipeline_stages()
             assert name == method and stages
-    commands = list(sweep.runs([1.0, 3.0], [0, 1, 2], list(sweep.GRID), REPO_ROOT / "x"))
-    assert len(commands) == 2 * 3 * sum(len(c) for c in sweep.GRID.values())
-    assert len({str(w) for w, _ in commands}) == len(commands)  # no two runs share a workdir
+    jobs = sweep.jobs([3.0, 1.0], [0, 1, 2], list(sweep.GRID))
+    grid = sum(len(c) for c in sweep.GRID.values())
+    assert len(jobs) == 2 * (grid + 2 * len(sweep.GRID))
+    assert jobs[0][0] == 3.0 and jobs[-1][0] == 1.0  # epsilon by epsilon, as given
+    names = {sweep.run_name(m, c, s) for _, m, c, s in jobs if c is not None}
+    assert len(names) == grid  # no two configurations share a workdir

@@ -151,13 +151,19 @@ def _mean_std(values):
 
 
 def load_audits(directory) -> dict:
-    """pipeline name -> audit report (``dpbench audit --out=<dir>/<pipeline>.json``)."""
+    """(pipeline name, claimed epsilon to 2 decimals) -> audit report (``dpbench audit
+    --claimed_epsilon=E --out=<dir>/<pipeline>-eps<E>.json``, see tools/audit_board.sh). The
+    claim is the compiler's calibrated epsilon, just below the target, hence the rounding."""
     out = {}
     if directory is None or not Path(directory).is_dir():
         return out
     for path in sorted(Path(directory).glob("*.json")):
         report = json.loads(path.read_text())
-        out[report["pipeline"]] = report
+        key = (report["pipeline"], round(float(report["claimed_epsilon"]), 2))
+        if key in out:
+            raise LeaderboardError(f"{path}: a second audit of {key[0]} at epsilon {key[1]}; "
+                                   "keep one report per pipeline and epsilon")
+        out[key] = report
     return out
 
 
@@ -196,6 +202,7 @@ def summarize(records: list[dict], audits: dict, out_dir: Path,
             config_key(record), []).append(record)
     table = {}
     for group, methods in sorted(groups.items()):
+        group_epsilon = round(float(GROUP_PATTERN.match(group)["eps"]), 2)
         rows = []
         for method, configs in sorted(methods.items()):
             key, selection_seeds, val_mean = choose_configuration(configs)
@@ -205,7 +212,7 @@ def summarize(records: list[dict], audits: dict, out_dir: Path,
             test_mean, test_std = _mean_std([r["test_accuracy"] for r in runs])
             first = runs[0]
             fidelity = [r["fidelity"] for r in runs if r.get("fidelity")]
-            audit = audits.get(method)
+            audit = audits.get((method, group_epsilon))  # an audit at this group's epsilon
             rows.append(dict(
                 method=method, config=key, config_label=config_label(runs[0], others),
                 selection_seeds=selection_seeds, configs_tried=len(configs), seeds=len(runs),

@@ -3,6 +3,7 @@
 import json
 import shutil
 
+import numpy as np
 import pytest
 
 from dpbench import leaderboard, main, train
@@ -142,3 +143,122 @@ def test_every_sweep_configuration_parses_and_names_its_method():
     assert jobs[0][0] == 3.0 and jobs[-1][0] == 1.0  # epsilon by epsilon, as given
     names = {sweep.run_name(m, c, s) for _, m, c, s in jobs if c is not None}
     assert len(names) == grid  # no two configurations share a workdir
+
+
+def _runs(val_by_seed, lr):
+    return [fake_record("rs", seed, val, 0.5, lr=lr) for seed, val in val_by_seed.items()]
+
+
+@pytest.mark.parametrize("a_vals,b_vals,expected", [
+    # A wins on the shared seed 0; its extra seeds are worse, but they are not compared
+    ({0: 0.86, 1: 0.80, 2: 0.80}, {0: 0.85}, "A"),
+    # B wins on seed 0; A's extra seeds are better, but they cannot tilt the choice either
+    ({0: 0.84, 1: 0.95, 2: 0.95}, {0: 0.85}, "B"),
+    # every configuration has every seed: the mean over all of them decides
+    ({0: 0.84, 1: 0.90}, {0: 0.85, 1: 0.85}, "A"),
+])
+def test_the_choice_compares_only_the_seeds_every_configuration_ran(a_vals, b_vals, expected):
+    configs = {"A": _runs(a_vals, 1.0), "B": _runs(b_vals, 2.0)}
+    key, seeds, score = leaderboard.choose_configuration(configs)
+    assert key == expected
+    shared = sorted(set(map(str, a_vals)) & set(map(str, b_vals)))
+    assert seeds == shared
+    wanted = configs[expected]
+    assert score == pytest.approx(np.mean([r["validation_accuracy"] for r in wanted
+                                           if str(r["seed"]) in shared]))
+
+
+def test_the_choice_never_reads_test_accuracy():
+    a, b = _runs({0: 0.86}, 1.0), _runs({0: 0.85}, 2.0)
+    for r in a:
+        r["test_accuracy"] = 0.1
+    assert leaderboard.choose_configuration({"A": a, "B": b})[0] == "A"
+
+
+def test_the_board_names_what_sets_the_chosen_configuration_apart(records, tmp_path):
+    table = leaderboard.build(records, tmp_path / "board")
+    rows = {r["method"]: r for r in table[GROUP]}
+    assert rows["rs"]["config_label"] == "optimize.optax.learning_rate=1.0"
+    assert rows["dpsgd"]["config_label"] == "default"  # its only configuration
+    assert "| rs | optimize.optax.learning_rate=1.0 |" in (
+        tmp_path / "board" / "README.md").read_text()
+    synflow = fake_record("dpssgd", 0, 0.8, 0.8)
+    synflow["stages"] = [{"name": "prune.synflow", "sparsity": 0.5},
+                         {"name": "drop.gradients", "criterion": "random"}]
+    random_prune = json.loads(json.dumps(synflow))
+    random_prune["stages"][0] = {"name": "prune.random", "sparsity": 0.5}
+    magnitude = json.loads(json.dumps(synflow))
+    magnitude["stages"][1]["criterion"] = "magnitude"
+    assert leaderboard.config_label(synflow, [random_prune, magnitude]) == (
+        "prune.synflow, drop.gradients.criterion=random")
+
+
+FAKE_RUN = """
+import json, sys, pathlib
+workdir, config, seed = pathlib.Path(sys.argv[1]), sys.argv[2], int(sys.argv[3])
+if config == "broken":
+    sys.exit(3)
+val = {"lr4": 0.80, "lr2": 0.90}[config] + seed / 1000
+workdir.mkdir(parents=True, exist_ok=True)
+record = dict(seed=seed, validation_accuracy=val, test_accuracy=0.5, batch_size=1024,
+              epochs=30, ema_decay=0.0, accountant="pld",
+              stages=[{"name": "optimize.optax", "learning_rate": {"lr4": 4.0, "lr2": 2.0}[config]}])
+(workdir / "run_record.json").write_text(json.dumps(record))
+"""
+
+
+def test_sweep_gives_the_extra_seeds_only_to_the_configuration_chosen_on_validation(
+        tmp_path, monkeypatch):
+    import sys
+    sweep = _load_sweep()
+    started = []
+
+    def fake_command(method, config, eps, seed, workdir):
+        started.append((config, seed))
+        return [sys.executable, "-c", FAKE_RUN, str(workdir), config, str(seed)]
+
+    monkeypatch.setattr(sweep, "command_for", fake_command)
+    args = ["--epsilons", "3", "--seeds", "0", "1", "2", "--methods", "dpsgd", "--workers", "2",
+            f"--runs_dir={tmp_path / 'runs'}", f"--records={tmp_path / 'records'}"]
+    assert sweep.main(args) == 0
+    group = tmp_path / "records" / sweep.group_name(3.0)
+    assert sorted(p.name for p in group.iterdir()) == [
+        "dpsgd-lr2-seed0", "dpsgd-lr2-seed1", "dpsgd-lr2-seed2", "dpsgd-lr4-seed0"]
+    assert sorted(started[:2]) == [("lr2", 0), ("lr4", 0)]  # the grid first
+    assert not list(group.rglob("*.tmp"))
+    started.clear()
+    assert sweep.main(args) == 0 and started == []  # published runs are never redone
+
+
+def test_sweep_does_not_seed_a_method_whose_grid_failed(tmp_path, monkeypatch, capsys):
+    import sys
+    sweep = _load_sweep()
+    monkeypatch.setitem(sweep.GRID, "dpsgd", {"lr4": sweep.GRID["dpsgd"]["lr4"],
+                                              "broken": sweep.GRID["dpsgd"]["lr4"]})
+    monkeypatch.setattr(sweep, "command_for", lambda method, config, eps, seed, workdir: [
+        sys.executable, "-c", FAKE_RUN, str(workdir), config, str(seed)])
+    assert sweep.main(["--epsilons", "3", "--seeds", "0", "1", "--methods", "dpsgd",
+                       "--workers", "1", f"--runs_dir={tmp_path / 'runs'}",
+                       f"--records={tmp_path / 'records'}"]) == 1
+    group = tmp_path / "records" / sweep.group_name(3.0)
+    assert sorted(p.name for p in group.iterdir()) == ["dpsgd-lr4-seed0"]
+    assert "FAILED" in capsys.readouterr().err
+
+
+def test_each_group_shows_the_audit_made_at_its_own_epsilon(records, tmp_path):
+    audits = tmp_path / "audits"
+    audits.mkdir()
+    (audits / "rs-eps3.json").write_text(json.dumps(
+        {"pipeline": "rs", "claimed_epsilon": 2.9999994, "epsilon_lb": 0.305}))
+    (audits / "dpsgd-eps1.json").write_text(json.dumps(
+        {"pipeline": "dpsgd", "claimed_epsilon": 0.99999, "epsilon_lb": 0.1}))
+    table = leaderboard.build(records, tmp_path / "board", audits_dir=audits)
+    eps3 = {r["method"]: r for r in table[GROUP]}
+    (eps1,) = table["fashion_mnist__tanh_cnn__eps1.0__delta1e-05"]
+    assert eps3["rs"]["audit_epsilon_lb"] == 0.305
+    assert eps3["dpsgd"]["audit_epsilon_lb"] is None  # its only audit is at epsilon 1
+    assert eps1["audit_epsilon_lb"] == 0.1
+    (audits / "rs-again.json").write_text(json.dumps(
+        {"pipeline": "rs", "claimed_epsilon": 3.0, "epsilon_lb": 0.2}))
+    with pytest.raises(leaderboard.LeaderboardError, match="a second audit of rs"):
+        leaderboard.build(records, tmp_path / "board", audits_dir=audits)

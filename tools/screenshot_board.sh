@@ -7,10 +7,20 @@ cd "$(dirname "$0")/.."
 html="${1:-leaderboard/index.html}"
 out="${2:-$(dirname "$html")/screenshot.png}"
 if ! command -v chromium >/dev/null; then
-  if [ "$(id -u)" = 0 ]; then apt-get install -y chromium; else sudo apt-get install -y chromium; fi
+  SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
+  # a fresh machine may have empty package lists: update only when the first try fails
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq chromium >/dev/null 2>&1 \
+    || { $SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
+         $SUDO apt-get install -y -qq chromium >/dev/null; }
 fi
 [ -f "$html" ] || { echo "no $html: run .venv/bin/dpbench leaderboard" >&2; exit 2; }
 page="file://$(realpath "$html")"
+profile="$(mktemp -d)"
+trap 'rm -rf "$profile"' EXIT
+# no background networking: this machine has no internet, and Chromium's connection attempts
+# otherwise slow the start down
 chromium --headless --no-sandbox --disable-gpu --hide-scrollbars --window-size=1600,2400 \
-  --screenshot="$(realpath -m "$out")" "$page" 2>/dev/null
+  --no-first-run --disable-background-networking --disable-component-update --disable-sync \
+  --user-data-dir="$profile" --screenshot="$(realpath -m "$out")" "$page" 2>/dev/null
+[ -s "$out" ] || { echo "chromium wrote no screenshot to $out" >&2; exit 1; }
 echo "wrote $out"

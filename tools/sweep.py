@@ -67,6 +67,11 @@ GRID = {
 }
 
 
+# Pins the process to one core, then becomes the run (exec: no fork of a threaded parent).
+PIN_AND_EXEC = ("import os, sys; os.sched_setaffinity(0, {int(sys.argv[1])}); "
+                "os.execv(sys.argv[2], sys.argv[2:])")
+
+
 def group_name(eps: float) -> str:
     return f"fashion_mnist__tanh_cnn__eps{float(eps)}__delta{DELTA}"
 
@@ -143,12 +148,10 @@ def main(argv=None) -> int:
             return
         workdir.parent.mkdir(parents=True, exist_ok=True)
         log = open(workdir.parent / f"{workdir.name}.log", "a")
-        pin = None
-        if cores and args.workers <= len(cores) and args.workers > 1:
-            core = cores[slot]
-            pin = lambda: os.sched_setaffinity(0, {core})  # noqa: E731
+        if cores and 1 < args.workers <= len(cores):
+            command = [sys.executable, "-c", PIN_AND_EXEC, str(cores[slot]), *command]
         running[slot] = (job, config, workdir, subprocess.Popen(
-            command, cwd=REPO, stdout=log, stderr=log, preexec_fn=pin), log)
+            command, cwd=REPO, stdout=log, stderr=log), log)
 
     while pending or running:
         for slot in [s for s, (_, _, _, proc, _) in running.items() if proc.poll() is not None]:

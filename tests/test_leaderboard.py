@@ -262,3 +262,21 @@ def test_each_group_shows_the_audit_made_at_its_own_epsilon(records, tmp_path):
         {"pipeline": "rs", "claimed_epsilon": 3.0, "epsilon_lb": 0.2}))
     with pytest.raises(leaderboard.LeaderboardError, match="a second audit of rs"):
         leaderboard.build(records, tmp_path / "board", audits_dir=audits)
+
+
+def test_the_committed_board_is_what_its_committed_records_give(tmp_path):
+    """leaderboard/README.md and index.html are regenerated, never edited by hand: rebuilding
+    them from the committed records, audits and PERF.json gives the same bytes. (The SVG plots
+    are only checked to exist: their bytes depend on the matplotlib version.)"""
+    from tests.conftest import REPO_ROOT
+    board = REPO_ROOT / "leaderboard"
+    copy = tmp_path / "leaderboard"
+    shutil.copytree(board / "records", copy / "records")
+    shutil.copytree(board / "audits", copy / "audits")
+    shutil.copy(board / "PERF.json", copy / "PERF.json")
+    leaderboard.build(copy / "records", copy, copy / "audits", copy / "PERF.json")
+    for name in ("README.md", "index.html"):
+        assert (copy / name).read_text() == (board / name).read_text(), (
+            f"leaderboard/{name} is stale: run .venv/bin/dpbench leaderboard")
+    for plot in (copy / "plots").iterdir():
+        assert (board / "plots" / plot.name).is_file()

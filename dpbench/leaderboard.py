@@ -301,18 +301,27 @@ def render_markdown(table: dict, plots: dict, note: str = "") -> str:
     return "\n".join(lines)
 
 
+def _inline_markdown(text: str) -> str:
+    """The note's markdown as HTML: escaped, lines joined, **bold** and `code` spans."""
+    text = html.escape(" ".join(line.strip() for line in text.splitlines()))
+    text = re.sub(r"\*\*(.+?)\*\*", r"<strong>\1</strong>", text)
+    return re.sub(r"`(.+?)`", r"<code>\1</code>", text)
+
+
 def render_html(table: dict, plots: dict, note: str = "") -> str:
     parts = ["<!DOCTYPE html>", "<html lang='en'><head><meta charset='utf-8'>",
              "<title>dpbench leaderboard</title>",
              "<style>body{font-family:sans-serif;margin:2em}table{border-collapse:collapse}"
              "td,th{border:1px solid #999;padding:4px 8px;text-align:right}"
-             "td:first-child{text-align:left}img{max-width:720px}</style></head><body>",
+             "td:first-child{text-align:left}img{max-width:720px}"
+             "p.note{max-width:60em}</style></head><body>",
              "<h1>dpbench leaderboard</h1>",
              "<p>" + html.escape(SELECTION_RULE) + " Generated from run records by "
              "<code>dpbench leaderboard</code>. Step time vs DP-SGD: the speed benchmark's "
              "ratio at the run's batch size (PERF.md); x† marks the runs' own step times.</p>"]
     if note:
-        parts.append("<pre class='note'>" + html.escape(note.strip()) + "</pre>")
+        parts += [f"<p class='note'>{_inline_markdown(paragraph)}</p>"
+                  for paragraph in re.split(r"\n\s*\n", note.strip())]
     for group, rows in table.items():
         parts.append(f"<h2>{html.escape(group)}</h2>")
         if group in plots:

@@ -280,3 +280,13 @@ def test_the_committed_board_is_what_its_committed_records_give(tmp_path):
             f"leaderboard/{name} is stale: run .venv/bin/dpbench leaderboard")
     for plot in (copy / "plots").iterdir():
         assert (board / "plots" / plot.name).is_file()
+
+
+def test_the_note_renders_as_html_paragraphs_with_escaping(records, tmp_path):
+    (records / "NOTE.md").write_text("**Caveat** one\nline `x<y`.\n\nSecond & last.\n")
+    leaderboard.build(records, tmp_path / "board")
+    page = (tmp_path / "board" / "index.html").read_text()
+    assert ("<p class='note'><strong>Caveat</strong> one line <code>x&lt;y</code>.</p>"
+            in page)
+    assert "<p class='note'>Second &amp; last.</p>" in page
+    assert "**Caveat** one" in (tmp_path / "board" / "README.md").read_text()

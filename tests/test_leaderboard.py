@@ -141,6 +141,8 @@ def test_every_sweep_configuration_parses_and_names_its_method():
     grid = sum(len(c) for c in sweep.GRID.values())
     assert len(jobs) == 2 * (grid + 2 * len(sweep.GRID))
     assert jobs[0][0] == 3.0 and jobs[-1][0] == 1.0  # epsilon by epsilon, as given
+    seed_jobs = [(m, s) for e, m, c, s in jobs if e == 3.0 and c is None]
+    assert seed_jobs[:4] == [("dpsgd", 1), ("dpsgd", 2), ("rs", 1), ("rs", 2)]  # whole rows
     names = {sweep.run_name(m, c, s) for _, m, c, s in jobs if c is not None}
     assert len(names) == grid  # no two configurations share a workdir
 

@@ -11,8 +11,9 @@ Protocol, per (epsilon, method):
   2. ``leaderboard.choose_configuration`` (the board's own rule: best mean VALIDATION accuracy
      over the seeds all configurations share) picks one;
   3. only that configuration trains with the other seeds.
-Test accuracy picks nothing. Jobs run in list order (epsilon by epsilon, as given), a seed job
-as soon as its method's grid is done, on ``--workers`` processes, each pinned to its own core
+Test accuracy picks nothing. Jobs run in list order (epsilon by epsilon, as given; within one,
+the grids, then the seeds method by method, cheapest first), a seed job as soon as its method's
+grid is done, on ``--workers`` processes, each pinned to its own core
 (two one-core processes did 1.7x the steps per second of one two-core process on the 2-core
 machine, see WORKSPACE "Speed").
 
@@ -94,7 +95,9 @@ def jobs(epsilons, seeds, methods) -> list[tuple]:
     out = []
     for eps in epsilons:
         out += [(eps, m, c, seeds[0]) for m in methods for c in GRID[m]]
-        out += [(eps, m, None, s) for s in seeds[1:] for m in methods]
+        # method by method, in GRID order (cheapest first), so an interrupted sweep leaves
+        # whole rows with every seed rather than every row short of one
+        out += [(eps, m, None, s) for m in methods for s in seeds[1:]]
     return out
 
 

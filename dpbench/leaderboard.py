@@ -205,7 +205,7 @@ def summarize(records: list[dict], audits: dict, out_dir: Path,
         group_epsilon = round(float(GROUP_PATTERN.match(group)["eps"]), 2)
         rows = []
         for method, configs in sorted(methods.items()):
-            key, selection_seeds, val_mean = choose_configuration(configs)
+            key, _, val_mean = choose_configuration(configs)
             runs = sorted(configs[key], key=lambda r: (str(r["seed"]), str(r["_path"])))
             others = [sorted(v, key=lambda r: str(r["_path"]))[0]
                       for k, v in sorted(configs.items()) if k != key]
@@ -215,7 +215,7 @@ def summarize(records: list[dict], audits: dict, out_dir: Path,
             audit = audits.get((method, group_epsilon))  # an audit at this group's epsilon
             rows.append(dict(
                 method=method, config=key, config_label=config_label(runs[0], others),
-                selection_seeds=selection_seeds, configs_tried=len(configs), seeds=len(runs),
+                configs_tried=len(configs), seeds=len(runs),
                 test_mean=test_mean, test_std=test_std, validation_mean=val_mean,
                 noise_multiplier=first["noise_multiplier"], steps=first["steps"],
                 batch_size=first["batch_size"], epochs=first["epochs"],
@@ -250,8 +250,8 @@ def _fmt(value, spec, missing="n/a"):
     return missing if value is None else format(value, spec)
 
 
-COLUMNS = ("method", "configuration (chosen on validation)", "test acc (mean ± std)", "gain vs DP-SGD", "seeds", "configs tried",
-           "σ", "steps", "batch", "epochs", "ε (reported)", "accountant", "sampling",
+COLUMNS = ("method", "configuration (chosen on validation)", "test acc (mean ± std)",
+           "gain vs DP-SGD", "seeds", "configs tried", "σ", "steps", "batch", "epochs", "ε (reported)", "accountant", "sampling",
            "step time vs DP-SGD", "audit ε_lb", "cos(release, clean)", "noise/signal",
            "privacy statement")
 

@@ -292,3 +292,13 @@ def test_the_note_renders_as_html_paragraphs_with_escaping(records, tmp_path):
             in page)
     assert "<p class='note'>Second &amp; last.</p>" in page
     assert "**Caveat** one" in (tmp_path / "board" / "README.md").read_text()
+
+
+def test_sweep_dry_run_prints_the_grid_and_writes_nothing(tmp_path, capsys):
+    sweep = _load_sweep()
+    assert sweep.main(["--dry_run", "--epsilons", "3", f"--runs_dir={tmp_path / 'runs'}",
+                       f"--records={tmp_path / 'records'}"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == sum(len(c) for c in sweep.GRID.values())
+    assert all("--gin_bindings=EPSILON = 3.0" in line for line in lines)
+    assert not (tmp_path / "runs").exists() and not (tmp_path / "records").exists()

@@ -138,7 +138,13 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
     pending = jobs(args.epsilons, args.seeds, args.methods)
-    running = {}  # worker slot -> (job, config, Popen, log file)
+    if args.dry_run:  # the grid; the seed jobs' configurations depend on its results
+        for eps, method, config, seed in pending:
+            if config is not None:
+                workdir = args.runs_dir / group_name(eps) / run_name(method, config, seed)
+                print(" ".join(command_for(method, config, eps, seed, workdir)))
+        return 0
+    running = {}  # worker slot -> (job, config, workdir, Popen, open log file)
     failed = []
     blocked = set()  # (eps, method) whose selection runs failed
 
@@ -147,8 +153,6 @@ def main(argv=None) -> int:
         workdir = args.runs_dir / group_name(eps) / run_name(method, config, seed)
         command = command_for(method, config, eps, seed, workdir)
         print(f"[{time.strftime('%H:%M:%S')}] worker {slot}: " + " ".join(command), flush=True)
-        if args.dry_run:
-            return
         workdir.parent.mkdir(parents=True, exist_ok=True)
         log = open(workdir.parent / f"{workdir.name}.log", "a")
         if cores and 1 < args.workers <= len(cores):
@@ -180,9 +184,6 @@ def main(argv=None) -> int:
                 pending.remove(job)
                 continue
             if config is None:
-                if args.dry_run:
-                    pending.remove(job)
-                    continue
                 config = chosen_config(args.records, eps, method, args.seeds[0])
                 if config is None:
                     continue  # its grid is still training; try a later job
@@ -190,9 +191,6 @@ def main(argv=None) -> int:
             if published(args.records, eps, method, config, seed).exists():
                 continue
             start(free.pop(0), job, config)
-        if args.dry_run:
-            running.clear()
-            continue
         if running:
             time.sleep(5)
         elif pending:

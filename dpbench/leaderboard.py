@@ -232,6 +232,11 @@ def summarize(records: list[dict], audits: dict, out_dir: Path,
         base = next((r for r in rows if r["method"] == BASELINE), None)
         for row in rows:
             row["gain"] = None if base is None else row["test_mean"] - base["test_mean"]
+            # standard error of the difference of two means (Welch), once both have 2+ seeds
+            row["gain_se"] = (None if base is None or row is base
+                              or min(row["seeds"], base["seeds"]) < 2 else
+                              float(np.sqrt(row["test_std"] ** 2 / row["seeds"]
+                                            + base["test_std"] ** 2 / base["seeds"])))
             row["step_ratio"], row["step_source"] = _step_ratio(row, base, perf or {})
         rows.sort(key=lambda r: (-r["test_mean"], r["method"]))
         table[group] = rows
@@ -251,7 +256,7 @@ def _fmt(value, spec, missing="n/a"):
 
 
 COLUMNS = ("method", "configuration (chosen on validation)", "test acc (mean ± std)",
-           "gain vs DP-SGD", "seeds", "configs tried", "σ", "steps", "batch", "epochs", "ε (reported)", "accountant", "sampling",
+           "gain vs DP-SGD (± s.e.)", "seeds", "configs tried", "σ", "steps", "batch", "epochs", "ε (reported)", "accountant", "sampling",
            "step time vs DP-SGD", "audit ε_lb", "cos(release, clean)", "noise/signal",
            "privacy statement")
 
@@ -260,13 +265,16 @@ SELECTION_RULE = ("Per method, the configuration with the best mean validation a
                   "the seeds all its configurations ran (the sweep's seed 0) is shown; test "
                   "accuracy is the mean ± std over all of that configuration's seeds (percent); "
                   "test accuracy never picks anything. 'configuration' names what sets the "
-                  "chosen one apart from the method's others.")
+                  "chosen one apart from the method's others. The gain's ± is the standard "
+                  "error of the difference of the two means (Welch), shown once both rows "
+                  "have 2 or more seeds.")
 
 
 def _cells(row) -> list[str]:
     return [row["method"], row["config_label"],
             f"{100 * row['test_mean']:.2f} ± {100 * row['test_std']:.2f}",
-            _fmt(None if row["gain"] is None else 100 * row["gain"], "+.2f"),
+            _fmt(None if row["gain"] is None else 100 * row["gain"], "+.2f")
+            + ("" if row["gain_se"] is None else f" ± {100 * row['gain_se']:.2f}"),
             str(row["seeds"]), str(row["configs_tried"]), f"{row['noise_multiplier']:.4f}",
             str(row["steps"]), str(row["batch_size"]), f"{row['epochs']:g}",
             f"{row['epsilon']:.4f}", row["accountant"], row["sampling"],

@@ -54,6 +54,10 @@ def test_the_configuration_is_chosen_on_validation_not_test(records, tmp_path):
     assert rows["rs"]["gain"] == pytest.approx(0.850 - 0.861)
     assert rows["rs"]["step_ratio"] == pytest.approx(1.2)
     assert rows["dpsgd"]["test_std"] == pytest.approx(0.001)
+    # Welch's standard error of the gain: rs-a's std is 0, dpsgd's 0.001, 3 seeds each
+    assert rows["rs"]["gain_se"] == pytest.approx(np.sqrt(0.001 ** 2 / 3))
+    assert rows["dpsgd"]["gain_se"] is None
+    assert "| -1.10 ± 0.06 |" in (tmp_path / "board" / "README.md").read_text()
 
 
 def test_step_ratio_comes_from_the_speed_benchmark_at_the_runs_batch_size(records, tmp_path):

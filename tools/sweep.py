@@ -23,7 +23,9 @@ copied atomically to ``<records>/<group>/<method>-<config>-seed<S>/``: the board
 finished runs, and no checkpoint is ever published. A job whose record is published is skipped,
 so the sweep can be interrupted and rerun at any time. Every run records the gradient-fidelity
 diagnostics (non-private benchmark output) and uses micro-batches of 64 (a speed knob only).
-Cost on this 2-core machine (two workers): about 6 minutes per run, GEP and B-GEP about 15.
+Measured 2026-11-23 on the 2-core VM, two pinned workers (wall time per run, from the
+records' wall_time_s): DP-SGD, RS, DP-SSGD, GIP, random-k 7.7-8.7 min; Nasr 11.6; B-GEP 17.6;
+GEP 21.1. One epsilon (13 grid + 16 seed runs) is about 2.6 h; the whole board about 5.2 h.
 """
 
 from __future__ import annotations

@@ -92,11 +92,15 @@ def load_records(root: Path) -> list[dict]:
     return out
 
 
+# Run-level settings that, with the stages, make a configuration: record field -> the gin name
+# the board shows for it.
+RUN_SETTINGS = {"batch_size": "train.batch_size", "epochs": "train.epochs",
+                "ema_decay": "train.ema_decay", "accountant": "budget.accountant"}
+
+
 def config_key(record: dict) -> str:
     """What distinguishes two configurations of one method: everything set except the seed."""
-    config = dict(stages=record["stages"], batch_size=record["batch_size"],
-                  epochs=record["epochs"], ema_decay=record["ema_decay"],
-                  accountant=record["accountant"])
+    config = dict(stages=record["stages"], **{k: record[k] for k in RUN_SETTINGS})
     return hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()[:12]
 
 
@@ -127,8 +131,7 @@ def _flat_settings(record: dict) -> dict:
         name = stage["name"]
         flat[name] = True
         flat.update({f"{name}.{k}": v for k, v in stage.items() if k != "name"})
-    flat.update({f"train.{k}": record[k] for k in ("batch_size", "epochs", "ema_decay")})
-    flat["budget.accountant"] = record["accountant"]
+    flat.update({name: record[k] for k, name in RUN_SETTINGS.items()})
     return flat
 
 

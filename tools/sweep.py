@@ -8,12 +8,16 @@ Usage:
 
 Protocol, per (epsilon, method):
   1. every configuration of GRID[method] trains with the first seed (the selection seed);
-  2. ``leaderboard.choose_configuration`` (the board's own rule: best mean VALIDATION accuracy
-     over the seeds all configurations share) picks one;
-  3. only that configuration trains with the other seeds.
+  2. unless the method's grid already varies the learning rate (DP-SGD's is its lr axis), the
+     grid's winner trains again with the selection seed and its learning rate halved
+     (configuration "<winner>-halflr"), so every method gets the same two learning rates;
+  3. ``leaderboard.choose_configuration`` (the board's own rule: best mean VALIDATION accuracy
+     over the seeds all configurations share) picks one of all these;
+  4. only that configuration trains with the other seeds.
 Test accuracy picks nothing. Jobs run in list order (epsilon by epsilon, as given; within one,
-the grids, then the seeds method by method, cheapest first), a seed job as soon as its method's
-grid is done, on ``--workers`` processes, each pinned to its own core
+the grids, then the halved learning rates, then the seeds method by method, cheapest first), a
+job as soon as what it depends on is published, on ``--workers`` processes, each pinned to its
+own core
 (two one-core processes did 1.7x the steps per second of one two-core process on the 2-core
 machine, see WORKSPACE "Speed").
 
@@ -25,7 +29,7 @@ so the sweep can be interrupted and rerun at any time. Every run records the gra
 diagnostics (non-private benchmark output) and uses micro-batches of 64 (a speed knob only).
 Measured 2026-11-23 on the 2-core VM, two pinned workers (wall time per run, from the
 records' wall_time_s): DP-SGD, RS, DP-SSGD, GIP, random-k 7.7-8.7 min; Nasr 11.6; B-GEP 17.6;
-GEP 21.1. One epsilon (13 grid + 16 seed runs) is about 2.6 h; the whole board about 5.2 h.
+GEP 21.1. One epsilon (13 grid + 7 halved-lr + 16 seed runs) is about 3.3 h on 2 cores.
 """
 
 from __future__ import annotations
@@ -69,6 +73,13 @@ GRID = {
     "bgep": {"m512": ("pipelines/bgep.gin", [])},
 }
 
+# The learning-rate step (protocol step 2). Why: the recipe's lr 4 was tuned on DP-SGD at
+# epsilon 3; at epsilon 1 DP-SGD's validation accuracy was 81.6% at lr 4 and 84.0% at lr 2
+# (seed 0), so a method given only lr 4 would lose to DP-SGD on the learning rate alone.
+HALF_LR = "-halflr"
+POLL_S = 5.0  # how often the scheduler looks for finished runs
+LEARNING_RATE = "optimize.optax.learning_rate"
+
 
 # Pins the process to one core, then becomes the run (exec: no fork of a threaded parent).
 PIN_AND_EXEC = ("import os, sys; os.sched_setaffinity(0, {int(sys.argv[1])}); "
@@ -83,8 +94,22 @@ def run_name(method: str, config: str, seed: int) -> str:
     return f"{method}-{config}-seed{seed}"
 
 
-def command_for(method: str, config: str, eps: float, seed: int, workdir: Path) -> list[str]:
-    gin_file, bindings = GRID[method][config]
+def varies_learning_rate(method: str) -> bool:
+    """Whether the method's grid is itself a learning-rate axis (then it gets no lr step)."""
+    return any(b.startswith(LEARNING_RATE) for _, bindings in GRID[method].values()
+               for b in bindings)
+
+
+def command_for(method: str, config: str, eps: float, seed: int, workdir: Path,
+                learning_rate: float | None = None) -> list[str]:
+    """The run's command line. A "<base>-halflr" config is the base config with
+    ``learning_rate`` (half the base run's recorded one) bound on top."""
+    halved = config.endswith(HALF_LR)
+    gin_file, bindings = GRID[method][config.removesuffix(HALF_LR)]
+    if halved != (learning_rate is not None):
+        raise ValueError(f"{config}: a learning rate is given exactly to a {HALF_LR} config")
+    if halved:
+        bindings = [*bindings, f"{LEARNING_RATE} = {learning_rate!r}"]
     return [str(REPO / ".venv/bin/dpbench"), f"--gin_file={gin_file}",
             f"--gin_bindings=EPSILON = {float(eps)}", f"--gin_bindings=train.seed = {seed}",
             *[f"--gin_bindings={b}" for b in (*SWEEP_BINDINGS, *bindings)],
@@ -92,11 +117,13 @@ def command_for(method: str, config: str, eps: float, seed: int, workdir: Path) 
 
 
 def jobs(epsilons, seeds, methods) -> list[tuple]:
-    """(eps, method, config or None, seed) in priority order; config None means 'the config
-    chosen on validation', known once the method's selection-seed runs are published."""
+    """(eps, method, config, seed) in priority order. Config HALF_LR means 'the grid winner
+    with its learning rate halved', known once the grid's runs are published; None means 'the
+    config chosen on validation', known once every selection-seed run is published."""
     out = []
     for eps in epsilons:
         out += [(eps, m, c, seeds[0]) for m in methods for c in GRID[m]]
+        out += [(eps, m, HALF_LR, seeds[0]) for m in methods if not varies_learning_rate(m)]
         # method by method, in GRID order (cheapest first), so an interrupted sweep leaves
         # whole rows with every seed rather than every row short of one
         out += [(eps, m, None, s) for m in methods for s in seeds[1:]]
@@ -107,19 +134,49 @@ def published(records: Path, eps: float, method: str, config: str, seed: int) ->
     return records / group_name(eps) / run_name(method, config, seed) / records_lib.RECORD_NAME
 
 
-def chosen_config(records: Path, eps: float, method: str, seed0: int):
-    """The config name chosen on validation, or None while a selection run is unpublished."""
+def choose(records: Path, eps: float, method: str, configs: list[str], seed0: int):
+    """The config name (of ``configs``) chosen on validation by the board's rule, or None while
+    one of their selection runs is unpublished."""
     by_key, name_of = {}, {}
-    for config in GRID[method]:
+    for config in configs:
         path = published(records, eps, method, config, seed0)
         if not path.exists():
             return None
         record = json.loads(path.read_text())
         key = leaderboard.config_key(record)
+        if key in name_of:  # the board would merge them into one configuration
+            raise ValueError(f"{method}: configs {name_of[key]} and {config} ran the same "
+                             "settings; give each grid entry a distinct binding")
         by_key.setdefault(key, []).append(record)
         name_of[key] = config
     key, _, _ = leaderboard.choose_configuration(by_key)
     return name_of[key]
+
+
+def candidates(records: Path, eps: float, method: str, seed0: int):
+    """Every config the method's selection compares (the grid, and the grid winner with its
+    learning rate halved), or None while the grid winner is unknown."""
+    grid = list(GRID[method])
+    if varies_learning_rate(method):
+        return grid
+    winner = choose(records, eps, method, grid, seed0)
+    return None if winner is None else grid + [winner + HALF_LR]
+
+
+def chosen_config(records: Path, eps: float, method: str, seed0: int):
+    """The config name chosen on validation, or None while a selection run is unpublished.
+    Chosen among all of the method's candidates, as the board chooses among all its records."""
+    configs = candidates(records, eps, method, seed0)
+    return None if configs is None else choose(records, eps, method, configs, seed0)
+
+
+def recorded_learning_rate(record_path: Path) -> float:
+    """The learning rate a finished run trained with, read from its record's stages."""
+    record = json.loads(record_path.read_text())
+    rates = [s["learning_rate"] for s in record["stages"] if "learning_rate" in s]
+    if len(rates) != 1:
+        raise ValueError(f"{record_path}: expected one stage with a learning_rate, got {rates}")
+    return float(rates[0])
 
 
 def publish(workdir: Path, target: Path) -> None:
@@ -140,9 +197,9 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
     pending = jobs(args.epsilons, args.seeds, args.methods)
-    if args.dry_run:  # the grid; the seed jobs' configurations depend on its results
+    if args.dry_run:  # the grid; the later jobs' configurations depend on its results
         for eps, method, config, seed in pending:
-            if config is not None:
+            if config is not None and config != HALF_LR:
                 workdir = args.runs_dir / group_name(eps) / run_name(method, config, seed)
                 print(" ".join(command_for(method, config, eps, seed, workdir)))
         return 0
@@ -153,7 +210,12 @@ def main(argv=None) -> int:
     def start(slot, job, config):
         eps, method, _, seed = job
         workdir = args.runs_dir / group_name(eps) / run_name(method, config, seed)
-        command = command_for(method, config, eps, seed, workdir)
+        learning_rate = None
+        if config.endswith(HALF_LR):
+            base = published(args.records, eps, method, config.removesuffix(HALF_LR),
+                             args.seeds[0])
+            learning_rate = recorded_learning_rate(base) / 2
+        command = command_for(method, config, eps, seed, workdir, learning_rate)
         print(f"[{time.strftime('%H:%M:%S')}] worker {slot}: " + " ".join(command), flush=True)
         workdir.parent.mkdir(parents=True, exist_ok=True)
         log = open(workdir.parent / f"{workdir.name}.log", "a")
@@ -185,16 +247,30 @@ def main(argv=None) -> int:
             if (eps, method) in blocked:
                 pending.remove(job)
                 continue
-            if config is None:
+            if config == HALF_LR:
+                winner = choose(args.records, eps, method, list(GRID[method]), args.seeds[0])
+                if winner is None:
+                    continue  # its grid is still training; try a later job
+                config = winner + HALF_LR
+            elif config is None:
                 config = chosen_config(args.records, eps, method, args.seeds[0])
                 if config is None:
-                    continue  # its grid is still training; try a later job
+                    continue  # its selection runs are still training; try a later job
             pending.remove(job)
-            if published(args.records, eps, method, config, seed).exists():
+            target = published(args.records, eps, method, config, seed)
+            if target.exists():
+                continue
+            workdir = args.runs_dir / group_name(eps) / run_name(method, config, seed)
+            if (workdir / records_lib.RECORD_NAME).exists():
+                # it finished while no sweep was watching (the sweep was stopped): publish it,
+                # as rerunning would be refused (a finished workdir is never overwritten)
+                publish(workdir, target)
+                print(f"[{time.strftime('%H:%M:%S')}] published {target} (finished earlier)",
+                      flush=True)
                 continue
             start(free.pop(0), job, config)
         if running:
-            time.sleep(5)
+            time.sleep(POLL_S)
         elif pending:
             # Nothing runs and nothing can start: the remaining seed jobs wait on failed grids.
             break

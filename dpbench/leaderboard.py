@@ -298,9 +298,11 @@ def render_markdown(table: dict, plots: dict, note: str = "") -> str:
              "of the runs' own median step times (no benchmark row).", ""]
     if note:
         lines += [note.strip(), ""]
+    shown = set()  # a plot covers every epsilon of its (dataset, model, delta): show it once
     for group, rows in table.items():
         lines += [f"## {group}", ""]
-        if group in plots:
+        if group in plots and plots[group] not in shown:
+            shown.add(plots[group])
             lines += [f"![accuracy vs epsilon]({plots[group]})", ""]
         lines.append("| " + " | ".join(COLUMNS) + " |")
         lines.append("|" + "---|" * len(COLUMNS))
@@ -333,9 +335,11 @@ def render_html(table: dict, plots: dict, note: str = "") -> str:
     if note:
         parts += [f"<p class='note'>{_inline_markdown(paragraph)}</p>"
                   for paragraph in re.split(r"\n\s*\n", note.strip())]
+    shown = set()  # a plot covers every epsilon of its (dataset, model, delta): show it once
     for group, rows in table.items():
         parts.append(f"<h2>{html.escape(group)}</h2>")
-        if group in plots:
+        if group in plots and plots[group] not in shown:
+            shown.add(plots[group])
             parts.append(f"<img src='{html.escape(plots[group])}' alt='accuracy vs epsilon "
                          f"for {html.escape(group)}'>")
         parts.append("<table><tr>" + "".join(f"<th>{html.escape(c)}</th>" for c in COLUMNS)

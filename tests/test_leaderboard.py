@@ -398,3 +398,12 @@ def test_sweep_publishes_a_run_that_finished_while_no_sweep_was_watching(tmp_pat
     group = tmp_path / "records" / sweep.group_name(3.0)
     assert sorted(p.name for p in group.iterdir()) == [
         "dpsgd-lr2-seed0", "dpsgd-lr4-seed0", "dpsgd-lr4-seed1"]  # 0.95 beat lr2's 0.90
+
+
+def test_a_plot_shared_by_several_epsilons_is_shown_once(records, tmp_path):
+    assert (records / "fashion_mnist__tanh_cnn__eps1.0__delta1e-05").is_dir()  # two epsilons
+    leaderboard.build(records, tmp_path / "board")
+    page = (tmp_path / "board" / "index.html").read_text()
+    readme = (tmp_path / "board" / "README.md").read_text()
+    assert page.count("<h2>") == 2 and page.count("<img ") == 1  # one (dataset, model, delta)
+    assert readme.count("![accuracy vs epsilon]") == 1

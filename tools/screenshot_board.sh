@@ -19,7 +19,7 @@ profile="$(mktemp -d)"
 trap 'rm -rf "$profile"' EXIT
 # no background networking: this machine has no internet, and Chromium's connection attempts
 # otherwise slow the start down
-chromium --headless --no-sandbox --disable-gpu --hide-scrollbars --window-size=1600,2400 \
+chromium --headless --no-sandbox --disable-gpu --hide-scrollbars --window-size=1800,2400 \
   --no-first-run --disable-background-networking --disable-component-update --disable-sync \
   --user-data-dir="$profile" --screenshot="$(realpath -m "$out")" "$page" 2>/dev/null
 [ -s "$out" ] || { echo "chromium wrote no screenshot to $out" >&2; exit 1; }

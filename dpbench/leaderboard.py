@@ -298,11 +298,9 @@ def render_markdown(table: dict, plots: dict, note: str = "") -> str:
              "of the runs' own median step times (no benchmark row).", ""]
     if note:
         lines += [note.strip(), ""]
-    shown = set()  # a plot covers every epsilon of its (dataset, model, delta): show it once
     for group, rows in table.items():
         lines += [f"## {group}", ""]
-        if group in plots and plots[group] not in shown:
-            shown.add(plots[group])
+        if group in plots:
             lines += [f"![accuracy vs epsilon]({plots[group]})", ""]
         lines.append("| " + " | ".join(COLUMNS) + " |")
         lines.append("|" + "---|" * len(COLUMNS))
@@ -335,11 +333,9 @@ def render_html(table: dict, plots: dict, note: str = "") -> str:
     if note:
         parts += [f"<p class='note'>{_inline_markdown(paragraph)}</p>"
                   for paragraph in re.split(r"\n\s*\n", note.strip())]
-    shown = set()  # a plot covers every epsilon of its (dataset, model, delta): show it once
     for group, rows in table.items():
         parts.append(f"<h2>{html.escape(group)}</h2>")
-        if group in plots and plots[group] not in shown:
-            shown.add(plots[group])
+        if group in plots:
             parts.append(f"<img src='{html.escape(plots[group])}' alt='accuracy vs epsilon "
                          f"for {html.escape(group)}'>")
         parts.append("<table><tr>" + "".join(f"<th>{html.escape(c)}</th>" for c in COLUMNS)
@@ -354,7 +350,9 @@ def render_html(table: dict, plots: dict, note: str = "") -> str:
 
 
 def plot_groups(table: dict, out_dir: Path) -> dict:
-    """One SVG per (dataset, model, delta): test accuracy vs epsilon per method, with spread."""
+    """One SVG per (dataset, model, delta): test accuracy vs epsilon per method, with spread.
+    Returns group -> plot path for the first group of each family only: a plot covers every
+    epsilon of its family, so the board shows it once."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -383,8 +381,10 @@ def plot_groups(table: dict, out_dir: Path) -> dict:
         fig.savefig(buffer, format="svg", metadata={"Date": None})
         plt.close(fig)
         records_lib.atomic_write_text(out_dir / "plots" / f"{family}.svg", buffer.getvalue())
-    plots = {group: f"plots/{family}.svg" for group, family in family_of.items()}
-    return plots
+    first_group = {}
+    for group, family in family_of.items():
+        first_group.setdefault(family, group)
+    return {group: f"plots/{family}.svg" for family, group in first_group.items()}
 
 
 def build(records_dir, out_dir, audits_dir=None, perf_json=None) -> dict:

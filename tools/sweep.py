@@ -153,14 +153,19 @@ def choose(records: Path, eps: float, method: str, configs: list[str], seed0: in
     return name_of[key]
 
 
+def halved_config(records: Path, eps: float, method: str, seed0: int):
+    """The grid winner's name with HALF_LR appended, or None while the winner is unknown."""
+    winner = choose(records, eps, method, list(GRID[method]), seed0)
+    return None if winner is None else winner + HALF_LR
+
+
 def candidates(records: Path, eps: float, method: str, seed0: int):
     """Every config the method's selection compares (the grid, and the grid winner with its
     learning rate halved), or None while the grid winner is unknown."""
-    grid = list(GRID[method])
     if varies_learning_rate(method):
-        return grid
-    winner = choose(records, eps, method, grid, seed0)
-    return None if winner is None else grid + [winner + HALF_LR]
+        return list(GRID[method])
+    halved = halved_config(records, eps, method, seed0)
+    return None if halved is None else [*GRID[method], halved]
 
 
 def chosen_config(records: Path, eps: float, method: str, seed0: int):
@@ -248,10 +253,9 @@ def main(argv=None) -> int:
                 pending.remove(job)
                 continue
             if config == HALF_LR:
-                winner = choose(args.records, eps, method, list(GRID[method]), args.seeds[0])
-                if winner is None:
+                config = halved_config(args.records, eps, method, args.seeds[0])
+                if config is None:
                     continue  # its grid is still training; try a later job
-                config = winner + HALF_LR
             elif config is None:
                 config = chosen_config(args.records, eps, method, args.seeds[0])
                 if config is None:

@@ -120,19 +120,26 @@ def _load_fashion_mnist_idx(data_dir: Path):
             _to_unit_images(a["test_images"]), a["test_labels"].astype(np.int32), 10)
 
 
-def _load_via_tfds(name: str):
+def _load_via_tfds(name: str, data_dir: Optional[str] = None):
     """Loads (train_x, train_y, test_x, test_y, num_classes) through TFDS's array-record
-    ``data_source`` (works without TensorFlow; may try to download). Tests monkeypatch this."""
+    ``data_source`` from ``data_dir`` (None: TFDS's default, ``~/tensorflow_datasets`` or
+    ``$TFDS_DATA_DIR``). Reading needs no TensorFlow; the first use of a name downloads and
+    prepares it there with TFDS's own builder, which needs network access and TensorFlow
+    (``tf.io.gfile``, ``tf.image.encode_png``; a dependency, the CPU-only wheel on Linux)."""
     import tensorflow_datasets as tfds  # imported lazily: slow, and not needed offline
 
     out = []
     for split in ("train", "test"):
-        source = tfds.data_source(name, split=split, download=True)
+        # file_format explicitly: with a data_dir TFDS would otherwise prepare TFRecord files,
+        # which its data_source then refuses to read (no random access)
+        source = tfds.data_source(name, split=split, data_dir=data_dir, download=True,
+                                  builder_kwargs={"file_format": "array_record"})
         examples = [source[i] for i in range(len(source))]
         out.append(_to_unit_images(np.stack([np.asarray(ex["image"]) for ex in examples])))
         out.append(np.asarray([ex["label"] for ex in examples], np.int32))
     try:
-        num_classes = int(tfds.builder(name).info.features["label"].num_classes)
+        num_classes = int(tfds.builder(name, data_dir=data_dir).info
+                          .features["label"].num_classes)
     except Exception:  # noqa: BLE001 (metadata only; the labels themselves are authoritative)
         num_classes = int(max(out[1].max(), out[3].max())) + 1
     return (*out, num_classes)
@@ -169,12 +176,12 @@ def _load_raw(name: str, data_dir: Optional[str]):
                 "IDX .gz files), or let TFDS download 'fashion_mnist' on a machine with "
                 "network access") from e
     try:
-        return _load_via_tfds(name)
+        return _load_via_tfds(name, data_dir)
     except Exception as e:  # noqa: BLE001
         raise FileNotFoundError(
             f"could not load TFDS dataset '{name}' ({type(e).__name__}: {e}); TFDS needs "
             f"network access to download '{name}' once (or an already prepared TFDS "
-            "data directory)") from e
+            "data directory, dataset.data_dir=...)") from e
 
 
 @gin.configurable("dataset", allowlist=["name", "data_dir", "validation_size", "public_size",

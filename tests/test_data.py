@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from dpbench import data
+from tests import tfds_offline
 
 FMNIST = Path(data.FASHION_MNIST_DIR)
 needs_fmnist = pytest.mark.skipif(
@@ -97,7 +98,7 @@ def test_missing_files_name_the_install_command(tmp_path, monkeypatch):
 
 
 def test_tfds_failure_names_the_dataset(monkeypatch):
-    monkeypatch.setattr(data, "_load_via_tfds", lambda name: 1 / 0)
+    monkeypatch.setattr(data, "_load_via_tfds", lambda name, data_dir=None: 1 / 0)
     with pytest.raises(FileNotFoundError, match="'svhn_cropped'.*network access"):
         data.load_dataset("svhn_cropped")
 
@@ -145,3 +146,59 @@ def test_gin_binds_the_dataset():
                      "dataset.public_size = 50")
     ds = data.load_dataset()
     assert ds.name == "digits" and len(ds.validation) == 100 and len(ds.public) == 50
+
+
+def _rows(images, labels):
+    """The examples of a split as a sorted list of (label, uint8 image bytes): TFDS shuffles the
+    example order when it prepares a split, so splits are compared as multisets."""
+    images = np.asarray(images)
+    if images.dtype != np.uint8:  # dpbench's float32 in [0, 1] -> the original bytes
+        images = np.round(images.astype(np.float64) * 255).astype(np.uint8)
+    return sorted(zip(np.asarray(labels).tolist(), (x.tobytes() for x in images)))
+
+
+@pytest.mark.parametrize("name,shape", [("mnist", (28, 28, 1)), ("cifar10", (32, 32, 3)),
+                                        ("svhn_cropped", (32, 32, 3))])
+def test_tfds_name_downloads_prepares_and_loads_offline(name, shape, tmp_path, monkeypatch):
+    """dpbench's own loader, given a TFDS name and an empty data_dir, runs TFDS's REAL builder
+    end to end (download, checksum check, extraction, _generate_examples, encoding, array_record
+    files) against tfds_offline's fake internet, then reads the prepared data back; a second
+    load reads the prepared data_dir with the network gone."""
+    served = tfds_offline.serve(monkeypatch, name)
+    ds = data.load_dataset(name, data_dir=str(tmp_path), validation_size=2, public_size=1)
+    assert sorted(served.requested) == sorted(served.files)  # the real URLs, each fetched once
+    version_dirs = list((tmp_path / name).iterdir())
+    assert len(version_dirs) == 1 and list(version_dirs[0].glob(f"{name}-train.array_record-*"))
+    train_x, train_y, test_x, test_y, num_classes = data._CACHE[(name, str(tmp_path))]
+    assert num_classes == 10 and ds.num_classes == 10 and ds.input_shape == shape
+    assert _rows(train_x, train_y) == _rows(*served.expected["train"])
+    assert _rows(test_x, test_y) == _rows(*served.expected["test"])
+    n = len(served.expected["train"][1])
+    assert (len(ds.train), len(ds.validation), len(ds.public)) == (n - 3, 2, 1)
+    _assert_disjoint_cover(ds, n)
+    for split in (ds.train, ds.validation, ds.public, ds.test):
+        assert split.images.dtype == np.float32 and split.labels.dtype == np.int32
+        assert 0.0 <= split.images.min() and split.images.max() <= 1.0
+    if name == "svhn_cropped":  # digit 0 is stored as 10 in the .mat files
+        assert 0 in set(train_y.tolist()) and 10 not in set(train_y.tolist())
+
+    tfds_offline.no_network(monkeypatch)
+    data._CACHE.pop((name, str(tmp_path))), data._CARVED.clear()
+    again = data.load_dataset(name, data_dir=str(tmp_path), validation_size=2, public_size=1)
+    np.testing.assert_array_equal(again.train.images, ds.train.images)
+    np.testing.assert_array_equal(again.test.labels, ds.test.labels)
+
+
+def test_tfds_name_without_network_fails_on_the_download_not_an_import(tmp_path, monkeypatch):
+    """On a machine without network access the real TFDS path gets as far as the download:
+    the error names the dataset and network access, and nothing in its chain is an ImportError
+    (a fresh install used to fail with "No module named 'importlib_resources'")."""
+    tfds_offline.no_network(monkeypatch)
+    with pytest.raises(FileNotFoundError, match="'cifar10'.*network access") as e:
+        data.load_dataset("cifar10", data_dir=str(tmp_path))
+    chain, cause = [], e.value
+    while cause is not None:
+        chain.append(cause)
+        cause = cause.__cause__ or cause.__context__
+    assert not any(isinstance(c, ImportError) for c in chain), chain
+    assert "no network here" in str(e.value)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.metadata
 import math
+from fractions import Fraction
 from typing import Callable
 
 import attr
@@ -42,6 +43,111 @@ class PureDpEvent(dp_event.DpEvent):
     """
 
     epsilon: float
+
+
+ONCE, EVERY_STEP = "once before training", "every step"
+
+
+@dataclasses.dataclass(frozen=True)
+class Mechanism:
+    """One line of a run's privacy ledger: ``count`` occurrences of the mechanism ``event``.
+
+    The ledger (a list of these) is the one source of both the run's DpEvent
+    (:func:`ledger_event`) and its privacy statement (``records.privacy_statement``), so what a
+    run claims is generated from exactly what the accountant composes.
+
+    Attributes:
+      name: what is released, in words ("Gaussian release of the clipped gradient sum").
+      source: the stage(s) that declare the mechanism.
+      schedule: ONCE or EVERY_STEP.
+      event: the DpEvent of ONE occurrence (e.g. one sampled Gaussian step).
+      count: how many times it runs in the ledger (the steps taken so far, or 1).
+      details: machine-readable facts for the statement (sensitivity, noise multipliers, ...).
+    """
+
+    name: str
+    source: str
+    schedule: str
+    event: dp_event.DpEvent
+    count: int
+    details: dict = dataclasses.field(default_factory=dict)
+
+    def composed(self) -> dp_event.DpEvent:
+        """The ``count`` occurrences as one event. Pure-DP events compose by basic composition
+        into one pure event (exact sum, rounded up to a float); composing many tiny pure events
+        one by one through the PLD would charge each a whole discretization interval."""
+        if isinstance(self.event, PureDpEvent):
+            return PureDpEvent(round_up_float(Fraction(self.event.epsilon) * self.count))
+        if self.count == 1 and self.schedule == ONCE:
+            return self.event
+        return dp_event.SelfComposedDpEvent(self.event, self.count)
+
+
+def round_up_float(value: Fraction) -> float:
+    """The smallest float >= ``value`` (a privacy parameter must never round down)."""
+    out = float(value)
+    return out if Fraction(out) >= value else math.nextafter(out, math.inf)
+
+
+def ledger_event(mechanisms) -> dp_event.DpEvent:
+    """The run's DpEvent: the composition of every ledger line that ran at least once."""
+    events = [m.composed() for m in mechanisms if m.count > 0]
+    if not events:
+        return dp_event.NoOpDpEvent()
+    return events[0] if len(events) == 1 else dp_event.ComposedDpEvent(events)
+
+
+def mechanism_fields(mechanism: Mechanism) -> dict:
+    """A ledger line as plain JSON fields: enough to rebuild its DpEvent with dp_accounting
+    alone (sampling probability, dataset size, truncation, effective noise multiplier, count;
+    or the pure epsilon), plus the stage's details and the events themselves."""
+    event = mechanism.event
+    out = dict(name=mechanism.name, source=mechanism.source, schedule=mechanism.schedule,
+               count=mechanism.count, event=event_to_json(event),
+               composed_event=event_to_json(mechanism.composed()))
+    if isinstance(event, PureDpEvent):
+        out.update(kind="pure", epsilon_per_occurrence=event.epsilon,
+                   epsilon_total=mechanism.composed().epsilon,
+                   composition="basic composition into one pure-DP event")
+    elif isinstance(event, dp_event.TruncatedSubsampledGaussianDpEvent):
+        out.update(kind="gaussian", sampling_probability=event.sampling_probability,
+                   dataset_size=event.dataset_size,
+                   truncated_batch_size=event.truncated_batch_size,
+                   effective_noise_multiplier=event.noise_multiplier)
+    elif isinstance(event, dp_event.PoissonSampledDpEvent) and isinstance(
+            event.event, dp_event.GaussianDpEvent):
+        out.update(kind="gaussian", sampling_probability=event.sampling_probability,
+                   dataset_size=None, truncated_batch_size=None,
+                   effective_noise_multiplier=event.event.noise_multiplier)
+    else:
+        raise ValueError(f"no statement fields for {type(event).__name__}")
+    for key, value in mechanism.details.items():
+        out.setdefault(key, value)
+    return out
+
+
+def accountant_settings(budget: Budget) -> dict:
+    """The accountant's own settings, machine-readable (for the privacy statement)."""
+    if budget.accountant == "pld":
+        return dict(value_discretization_interval=budget.pld_discretization)
+    return dict(orders="dp_accounting RdpAccountant defaults")
+
+
+def accounting_note(event: dp_event.DpEvent, budget: Budget) -> str:
+    """How the accountant composes ``event``, in words (for the privacy statement)."""
+    pure = ("; pure-DP events enter as the (epsilon, 0) dominating pair" if
+            _contains_pure(event) else "")
+    if budget.accountant == "pld":
+        return (f"privacy loss distributions, value discretization "
+                f"{budget.pld_discretization:g}{pure}")
+    _, overflow = _rdp_view(event)
+    note = "Renyi DP"
+    if _contains_pure(event):
+        note += "; pure epsilon-DP events enter as epsilon^2/2-zCDP"
+    if overflow > 0:
+        note += (f"; truncated Poisson accounted as Poisson, with the chance that any batch is "
+                 f"truncated ({overflow:.3g}) times (1 + e^epsilon) charged to delta")
+    return note
 
 
 class BudgetError(ValueError):

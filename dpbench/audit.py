@@ -226,7 +226,11 @@ def run_audit(stages: Sequence[Stage], *, claimed_epsilon: float = 3.0, delta: f
     membership = rng.permutation(np.arange(trials) % 2 == 0)
     for trial, include in enumerate(membership):
         state = copy(state0)._replace(key=jax.random.fold_in(key_root, trial))
-        new_state, _ = compiled.step(state, batch_in if include else batch_out)
+        batch = batch_in if include else batch_out
+        inputs = compiled.stage_inputs(0, stream=trial)  # fresh public host randomness (GIP)
+        if inputs:
+            batch = dict(batch, **sharding.put_batch({sharding.STAGE_INPUTS: inputs}, mesh))
+        new_state, _ = compiled.step(state, batch)
         new_params = jax.device_get(new_state.params)
         # SGD with learning rate 1: params_1 = params_0 - released / B
         score = -expected_batch * sum(

@@ -185,9 +185,9 @@ def worker_dp(spec: dict) -> dict:
 
     def prepare(t):
         s = samples[t]
-        batch = sharding.put_batch(compiled.batch_layout({
+        batch = sharding.put_batch(compiled.host_batch({
             "image": dataset.train.images[s.indices], "label": dataset.train.labels[s.indices],
-            "mask": s.mask}), mesh)
+            "mask": s.mask}, t), mesh)
         return jax.block_until_ready(batch)
 
     def run_step(batch):

@@ -19,6 +19,7 @@ from typing import Any, Callable, NamedTuple, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from dp_accounting import dp_event
 from jax.sharding import Mesh
@@ -32,6 +33,7 @@ from dpbench.stages.noise import add_gaussian_noise
 # Keys for stage initialization and for steps come from disjoint subtrees of the run key, so no
 # step's noise key can coincide with a stage's initialization key.
 _STEP_DOMAIN, _INIT_DOMAIN, _RELEASE_DOMAIN = 0, 1, 2
+STAGE_INPUTS = sharding.STAGE_INPUTS  # the batch entry with the stages' host randomness
 
 
 class PipelineError(ValueError):
@@ -158,18 +160,21 @@ class CompiledPipeline:
     micro_steps: int
     step: Callable                     # jitted (TrainState, batch) -> (TrainState, metrics)
     init_state: Callable               # (params, key) -> TrainState (placed on the mesh)
-    step_event: Callable[[float], dp_event.DpEvent]
+    step_mechanisms: Callable[[float], list]  # sigma -> one step's ledger lines (count 1)
     mesh: Mesh
-    pre_events: tuple = ()             # one-off releases before training (DP-SNIP)
-    mechanism_events: tuple = ()       # per-step costs of non-Gaussian mechanisms (GIP)
+    pre_mechanisms: tuple = ()         # one-off releases before training (DP-SNIP)
     init_noise_multiplier: Optional[float] = None
     needs_release_batch: bool = False  # init_state needs a batch of the sampler (DP-SNIP)
     state_shapes: Any = None           # shape-only TrainState (restore targets)
+    host_seed: int = 0                 # seeds the stages' public host randomness (GIP)
+
+    def ledger(self, steps: Optional[int] = None) -> list:
+        """The run's privacy ledger after ``steps`` steps: every mechanism with its count."""
+        steps = self.total_steps if steps is None else steps
+        return _ledger(self.pre_mechanisms, self.step_mechanisms(self.noise_multiplier), steps)
 
     def run_event(self, steps: Optional[int] = None) -> dp_event.DpEvent:
-        steps = self.total_steps if steps is None else steps
-        return _run_event(self.pre_events, self.step_event(self.noise_multiplier), steps,
-                          self.mechanism_events)
+        return accounting.ledger_event(self.ledger(steps))
 
     def steps_within_budget(self) -> int:
         """The largest number of steps (<= total_steps) whose epsilon is <= the target.
@@ -191,7 +196,7 @@ class CompiledPipeline:
         return low
 
     def epsilon_after(self, steps: int) -> float:
-        if steps == 0 and not self.pre_events:
+        if steps == 0 and not self.pre_mechanisms:
             return 0.0
         if self.noise_multiplier == 0:
             return math.inf
@@ -202,32 +207,79 @@ class CompiledPipeline:
         return {k: v.reshape((self.micro_steps, self.micro_batch_size) + v.shape[1:])
                 for k, v in arrays.items()}
 
+    def stage_inputs(self, step: int, stream: int = 0) -> dict:
+        """The public randomness stages draw on the host for ``step`` (GIP's exact Mallows
+        draws), keyed by stage position; a function of (host_seed, stream, stage, step) only,
+        so a resumed run redraws exactly what it would have drawn."""
+        return {str(i): s.host_inputs(int(step), np.random.default_rng(
+                    [self.host_seed, int(stream), i, int(step)]))
+                for i, s in enumerate(self.stages) if s.host_inputs is not None}
 
-def _run_event(pre_events: tuple, step_event: dp_event.DpEvent, steps: int,
-               mechanism_events: tuple = ()) -> dp_event.DpEvent:
-    """The ledger of a run: one-off releases, then ``steps`` steps.
-
-    Each step is a sampled Gaussian release composed with the stage mechanisms (e.g. GIP's
-    index release). Composition commutes, so the T copies of a pure eps-DP mechanism are
-    grouped into one pure (T * eps)-DP event (basic composition, as the GIP paper does):
-    composing many tiny pure-DP events one by one would be charged the PLD's discretization
-    interval each time, which overstates epsilon by orders of magnitude.
-    """
-    events = list(pre_events)
-    if steps > 0:
-        events.append(dp_event.SelfComposedDpEvent(step_event, steps))
-        for event in mechanism_events:
-            if isinstance(event, accounting.PureDpEvent):
-                events.append(accounting.PureDpEvent(event.epsilon * steps))
-            else:
-                events.append(dp_event.SelfComposedDpEvent(event, steps))
-    return events[0] if len(events) == 1 else dp_event.ComposedDpEvent(events)
+    def host_batch(self, arrays: dict, step: int, stream: int = 0) -> dict:
+        """The step's whole host input: the sampled examples laid out in micro-batches, plus
+        the stages' public host randomness for ``step`` when the pipeline has any."""
+        batch = self.batch_layout(arrays)
+        inputs = self.stage_inputs(step, stream)
+        if inputs:
+            batch[STAGE_INPUTS] = inputs
+        return batch
 
 
-def _per_step_event(sampler, releases: int) -> Callable[[float], dp_event.DpEvent]:
-    """One step's Gaussian release(s): k releases of the same batch with one sigma, each scaled
-    to its own sensitivity, compose to one Gaussian with multiplier sigma / sqrt(k)."""
-    return lambda sigma: sampler.dp_event(sigma / math.sqrt(releases))
+def _ledger(pre_mechanisms, step_mechanisms, steps: int) -> list:
+    """One-off releases, then ``steps`` copies of every per-step mechanism (composition
+    commutes, so a step's mechanisms are grouped by kind; see accounting.Mechanism)."""
+    return list(pre_mechanisms) + [dataclasses.replace(m, count=steps)
+                                   for m in step_mechanisms if steps > 0]
+
+
+def _step_mechanisms(validated: ValidatedPipeline, sampler, info: StageInfo):
+    """sigma -> one step's ledger lines: the Gaussian release(s) of the clipped sum, then the
+    per-step cost of every other mechanism a stage declares (e.g. GIP's index release)."""
+    clip = validated.stages[validated.clip_index]
+    releases = [validated.stages[i] for i in validated.release_indices]
+    # Each release adds noise to every separately bounded part of the clipped value (GEP: 2):
+    # k Gaussians of one batch with one sigma, each scaled to its own sensitivity, compose to
+    # one Gaussian with multiplier sigma / sqrt(k).
+    parts = len(releases) * clip.parts
+    lipschitz = {s.name: s.lipschitz for s in validated.stages[validated.clip_index + 1:]
+                 if s.lipschitz is not None and not s.is_release}
+    others = [(s, s.dp_event(info)) for s in validated.stages if s.dp_event is not None]
+    for stage, event in others:
+        if not isinstance(event, dp_event.DpEvent):
+            raise PipelineError(f"stage '{stage.name}' declares a DP cost, but its dp_event "
+                                f"returned {event!r} instead of a dp_accounting DpEvent")
+
+    def mechanisms(sigma: float) -> list:
+        effective = sigma / math.sqrt(parts)
+        gaussian = accounting.Mechanism(
+            name="Gaussian release of the clipped per-example gradient sum",
+            source=" + ".join([clip.name] + [r.name for r in releases]),
+            schedule=accounting.EVERY_STEP, event=sampler.dp_event(effective), count=1,
+            details=dict(noise_multiplier=sigma, parts=parts, effective_noise_multiplier=effective,
+                         clip_stage=clip.name, clip_l2_bound=clip.l2_bound,
+                         part_bounds=clip.options.get("part_bounds"),
+                         lipschitz_factors=lipschitz, l2_sensitivity=validated.sensitivity,
+                         noise_stddev=sigma * validated.sensitivity))
+        return [gaussian] + [accounting.Mechanism(
+            name=stage.options.get("mechanism", f"private selection by {stage.name}"),
+            source=stage.name,
+            schedule=accounting.EVERY_STEP, event=event, count=1, details=dict(stage.options))
+            for stage, event in others]
+
+    return mechanisms
+
+
+def _pre_mechanisms(stage: Optional[Stage], sigma: Optional[float], sampler) -> tuple:
+    """The ledger line of a one-off release before training (DP-SNIP), if the pipeline has one."""
+    if stage is None:
+        return ()
+    release = stage.init_release
+    return (accounting.Mechanism(
+        name=f"Gaussian release of {release.released}", source=stage.name,
+        schedule=accounting.ONCE, event=sampler.dp_event(sigma), count=1,
+        details=dict(noise_multiplier=sigma, l2_sensitivity=release.l2_bound,
+                     noise_stddev=sigma * release.l2_bound,
+                     epsilon_fraction=release.epsilon_fraction)),)
 
 
 def compile_pipeline(stages: Sequence[Stage], *, loss_fn: Callable, init_params: Callable,
@@ -236,7 +288,7 @@ def compile_pipeline(stages: Sequence[Stage], *, loss_fn: Callable, init_params:
                      ema_decay: float = 0.0, noise_multiplier: Optional[float] = None,
                      public_images=None, num_classes: int = 0,
                      linear_apply: Optional[Callable] = None,
-                     fidelity_diagnostics: bool = False) -> CompiledPipeline:
+                     fidelity_diagnostics: bool = False, host_seed: int = 0) -> CompiledPipeline:
     """Validates, accounts and lowers a pipeline (see the module docstring).
 
     ``noise_multiplier=None`` calibrates sigma to the budget (the normal path). A given value is
@@ -244,6 +296,7 @@ def compile_pipeline(stages: Sequence[Stage], *, loss_fn: Callable, init_params:
     accountant's for that sigma, which may exceed the target.
     ``fidelity_diagnostics`` adds the non-private metrics ``fidelity_cosine`` and
     ``noise_to_signal`` (released update vs the clean mean of clipped gradients) to each step.
+    ``host_seed`` seeds the public randomness stages draw on the host (``Stage.host_inputs``).
     """
     mesh = sharding.make_mesh() if mesh is None else mesh
     validated = validate_pipeline(stages)
@@ -270,15 +323,14 @@ def compile_pipeline(stages: Sequence[Stage], *, loss_fn: Callable, init_params:
                      public_images=public_images, num_classes=num_classes,
                      linear_apply=linear_apply, example_shape=tuple(example_shape))
     built = tuple(s.build(s, info) if s.build is not None else s for s in validated.stages)
-    # Per-step costs of mechanisms other than the Gaussian release (e.g. GIP's index release).
-    mechanism_events = tuple(s.dp_event(info) for s in built if s.dp_event is not None)
-    # Each release adds noise to every separately bounded part of the clipped value (GEP: 2).
-    released_parts = len(validated.release_indices) * built[validated.clip_index].parts
-    step_event = _per_step_event(sampler, released_parts)
+    # The rules again on what will actually run: a build may not change a declaration unseen.
+    validated = validate_pipeline(built)
     init_releases = [(i, s) for i, s in enumerate(built) if s.init_release is not None]
     if len(init_releases) > 1:
         raise PipelineError(f"stage #{init_releases[1][0]} '{init_releases[1][1].name}': only "
                             "one stage may release private data before training")
+    step_mechanisms = _step_mechanisms(validated, sampler, info)
+    init_release = init_releases[0][1] if init_releases else None
     if noise_multiplier is None:
         if math.isinf(validated.sensitivity):
             raise PipelineError("the clip bound is infinite, so no noise can make the release "
@@ -287,21 +339,21 @@ def compile_pipeline(stages: Sequence[Stage], *, loss_fn: Callable, init_params:
         # A one-off release (DP-SNIP) gets the noise that alone spends its share of epsilon;
         # the training sigma is then calibrated on the composition of everything.
         init_sigma = None
-        if init_releases:
-            share = init_releases[0][1].init_release.epsilon_fraction
+        if init_release is not None:
+            share = init_release.init_release.epsilon_fraction
             init_sigma = accounting.calibrate_noise_multiplier(
                 sampler.dp_event, dataclasses.replace(budget, epsilon=share * budget.epsilon))
-        pre_events = () if init_sigma is None else (sampler.dp_event(init_sigma),)
+        pre_mechanisms = _pre_mechanisms(init_release, init_sigma, sampler)
         sigma = accounting.calibrate_noise_multiplier(
-            lambda s: _run_event(pre_events, step_event(s), total_steps, mechanism_events),
-            budget)
+            lambda s: accounting.ledger_event(_ledger(pre_mechanisms, step_mechanisms(s),
+                                                      total_steps)), budget)
     else:
         sigma = float(noise_multiplier)
         if sigma < 0 or (sigma > 0 and math.isinf(validated.sensitivity)):
             raise ValueError(f"noise multiplier {sigma} with sensitivity "
                              f"{validated.sensitivity} gives no valid noise scale")
-        init_sigma = sigma if init_releases else None
-        pre_events = () if init_sigma is None else (sampler.dp_event(init_sigma),)
+        init_sigma = sigma if init_release is not None else None
+        pre_mechanisms = _pre_mechanisms(init_release, init_sigma, sampler)
 
     n_per_example = validated.clip_index + 1 + sum(
         1 for s in built[validated.clip_index + 1:] if s.kind_in == Kind.BOUNDED)
@@ -329,12 +381,12 @@ def compile_pipeline(stages: Sequence[Stage], *, loss_fn: Callable, init_params:
 
     def masked_sum(params, stage_states, step, step_key, batch):
         example_shapes = {k: jax.ShapeDtypeStruct(v.shape[2:], v.dtype)
-                          for k, v in batch.items() if k != "mask"}
+                          for k, v in batch.items() if k not in ("mask", STAGE_INPUTS)}
         value_shapes = jax.eval_shape(per_example_fn, params, stage_states, step, step_key,
                                       example_shapes, jnp.zeros((), jnp.int32))[0]
         zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, p.dtype), value_shapes)
         positions = jnp.arange(padded, dtype=jnp.int32).reshape(micro_steps, micro_batch_size)
-        examples = {k: v for k, v in batch.items() if k != "mask"}
+        examples = {k: v for k, v in batch.items() if k not in ("mask", STAGE_INPUTS)}
 
         def compute(micro):
             example, mask, position = micro
@@ -377,6 +429,7 @@ def compile_pipeline(stages: Sequence[Stage], *, loss_fn: Callable, init_params:
         value, loss_sum, nonfinite = masked_sum(state.params, tuple(states), state.step,
                                                 step_key, batch)
         new_states = states
+        host_inputs = batch.get(STAGE_INPUTS, {})
         clean = value  # the noise-free clipped sum: only for the opt-in fidelity diagnostics
         released = release_ctx = None
         normalized = False
@@ -389,7 +442,8 @@ def compile_pipeline(stages: Sequence[Stage], *, loss_fn: Callable, init_params:
                 released = value
             ctx = StepContext(params=state.params, step=state.step,
                               key=jax.random.fold_in(step_key, i),
-                              noise_multiplier=sigma, sensitivity=sensitivity)
+                              noise_multiplier=sigma, sensitivity=sensitivity,
+                              host_inputs=host_inputs.get(str(i)))
             value, new_states[i] = stage.apply(value, state.stage_states[i], ctx)
             if stage.is_release:
                 release_ctx = ctx
@@ -397,6 +451,11 @@ def compile_pipeline(stages: Sequence[Stage], *, loss_fn: Callable, init_params:
                 for j, earlier in enumerate(built[:i]):
                     if earlier.after_release is not None:
                         value = earlier.after_release(value, new_states[j], ctx)
+        for j, stage in enumerate(built):
+            if stage.after_update is not None:
+                # Public post-processing of the optimizer's output (DP-SSGD freezes the
+                # coordinates it dropped this step, momentum included).
+                value = stage.after_update(value, new_states[j], release_ctx)
         params = optax.apply_updates(state.params, value)
         if ema_decay > 0:
             ema = jax.tree.map(lambda e, p: ema_decay * e + (1 - ema_decay) * p,
@@ -436,10 +495,12 @@ def compile_pipeline(stages: Sequence[Stage], *, loss_fn: Callable, init_params:
         }
 
     def release_fn(params, key, batch, init_release):
-        """The one-off release: clip each example's gradient, masked sum, Gaussian noise."""
+        """The one-off release: each example's declared value (init_release.per_example of its
+        gradient, e.g. DP-SNIP's connection scores) clipped, masked sum, Gaussian noise."""
         def one(image, label):
             grads, _ = zero_if_nonfinite(jax.grad(loss_fn)(params, image, label))
-            return clip_to_l2(grads, init_release.l2_bound)
+            value, _ = zero_if_nonfinite(init_release.per_example(params, grads))
+            return clip_to_l2(value, init_release.l2_bound)
 
         def micro_sum(total, micro):
             values = jax.vmap(one)(micro["image"], micro["label"])
@@ -448,7 +509,8 @@ def compile_pipeline(stages: Sequence[Stage], *, loss_fn: Callable, init_params:
                 m.reshape(m.shape + (1,) * (v.ndim - 1)), v, 0.0), axis=0), total, values), None
 
         zeros = jax.tree.map(jnp.zeros_like, params)
-        total, _ = jax.lax.scan(micro_sum, zeros, batch)
+        total, _ = jax.lax.scan(micro_sum, zeros, {k: batch[k] for k in ("image", "label",
+                                                                         "mask")})
         return add_gaussian_noise(total, key, init_sigma * init_release.l2_bound)
 
     def init_state_fn(params, key, release_batch=None):
@@ -488,17 +550,26 @@ def compile_pipeline(stages: Sequence[Stage], *, loss_fn: Callable, init_params:
                                                   tuple(example_shape), jnp.float32),
                     "label": jax.ShapeDtypeStruct((micro_steps, micro_batch_size), jnp.int32),
                     "mask": jax.ShapeDtypeStruct((micro_steps, micro_batch_size), jnp.bool_)}
+    batch_in_sharding = batch_shard
+    probe_inputs = {str(i): s.host_inputs(0, np.random.default_rng(0))
+                    for i, s in enumerate(built) if s.host_inputs is not None}
+    if probe_inputs:
+        # Public host randomness is replicated on every device; examples are sharded.
+        batch_shapes[STAGE_INPUTS] = jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype), probe_inputs)
+        batch_in_sharding = {k: replicated if k == STAGE_INPUTS else batch_shard
+                             for k in batch_shapes}
     state_shapes = jax.eval_shape(
         init_state_fn, param_shapes, key_shapes,
-        batch_shapes if init_releases else None)
+        {k: v for k, v in batch_shapes.items() if k != STAGE_INPUTS} if init_releases else None)
     # Shape and dtype errors surface here, before any device memory is allocated.
     jax.eval_shape(step_fn, state_shapes, batch_shapes)
-    jitted = jax.jit(step_fn, in_shardings=(replicated, batch_shard),
+    jitted = jax.jit(step_fn, in_shardings=(replicated, batch_in_sharding),
                      out_shardings=(replicated, replicated), donate_argnums=(0,))
     return CompiledPipeline(
         stages=built, sensitivity=sensitivity, noise_multiplier=sigma, sampler=sampler,
         budget=budget, total_steps=total_steps, micro_batch_size=micro_batch_size,
-        micro_steps=micro_steps, step=jitted, init_state=init_state, step_event=step_event,
-        mesh=mesh, pre_events=pre_events, mechanism_events=mechanism_events,
-        init_noise_multiplier=init_sigma,
-        needs_release_batch=bool(init_releases), state_shapes=state_shapes)
+        micro_steps=micro_steps, step=jitted, init_state=init_state,
+        step_mechanisms=step_mechanisms, mesh=mesh, pre_mechanisms=pre_mechanisms,
+        init_noise_multiplier=init_sigma, needs_release_batch=bool(init_releases),
+        state_shapes=state_shapes, host_seed=host_seed)

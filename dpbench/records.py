@@ -100,30 +100,68 @@ def git_commit() -> str | None:
         return None
 
 
-def privacy_statement(*, epsilon: float, delta: float, noise_multiplier: float,
-                      sensitivity: float, steps: int, sampler: dict, accountant: str,
-                      accountant_version: str, releases_per_step: int,
-                      one_off_releases: list = ()) -> dict:
-    """The claim a run makes, with every parameter the accountant used to make it."""
+def _describe_mechanism(m: dict) -> str:
+    """One mechanism of the ledger in words, from its machine-readable fields."""
+    times = "once before training" if m["schedule"] == "once before training" else (
+        f"at each of {m['count']} steps")
+    head = f"{m['name']} by {m['source']}, {times}: "
+    if m["kind"] == "pure":
+        return head + (
+            f"pure {m['epsilon_per_occurrence']:.6g}-DP each; the "
+            f"{m['count']} releases compose by basic composition into one pure "
+            f"{m['epsilon_total']:.6g}-DP event (no amplification by sampling claimed)")
+    parts = m.get("parts", 1)
+    text = head + f"Gaussian noise multiplier {m['noise_multiplier']:.6g}"
+    if parts > 1:
+        text += (f" on each of {parts} separately clipped parts of L2 norm <= "
+                 f"{m['l2_sensitivity']:g} (clip stage {m['clip_stage']}), i.e. one Gaussian "
+                 f"mechanism with noise multiplier {m['noise_multiplier']:.6g}/sqrt({parts}) = "
+                 f"{m['effective_noise_multiplier']:.6g}")
+    else:
+        text += f" on an L2 sensitivity of {m['l2_sensitivity']:g}"
+    text += f" (noise stddev {m['noise_stddev']:.6g}"
+    if m.get("part_bounds"):
+        text += "; each part is scaled by its clip bound, so in parameter units " + ", ".join(
+            f"{part} (bound {bound:g}) gets stddev {m['noise_stddev'] * bound:.6g}"
+            for part, bound in m["part_bounds"].items())
+    text += "), on batches drawn by "
+    if m.get("truncated_batch_size") is not None:
+        text += (f"truncated Poisson sampling (rate q = {m['sampling_probability']:.6g} over "
+                 f"N = {m['dataset_size']}, at most {m['truncated_batch_size']} examples)")
+    else:
+        text += f"Poisson sampling (rate q = {m['sampling_probability']:.6g})"
+    return text
+
+
+def privacy_statement(*, epsilon: float, delta: float, mechanisms: list, sampler: dict,
+                      steps: int, accountant: str, accountant_version: str,
+                      accountant_settings: dict, accounting_note: str,
+                      not_covered: list) -> dict:
+    """The claim a run makes, generated from its privacy ledger.
+
+    ``mechanisms`` are the ledger's lines as plain dicts (``mechanism_fields``): the statement
+    lists every one of them (machine-readable and in words), the sampler, the step count, the
+    accountant and its version; ``not_covered`` lists, as {"what", "why"}, everything the run
+    touched that the epsilon does NOT protect (validation split, public split, tuning,
+    non-private diagnostics, ...).
+    """
     poisson = sampler.get("poisson_accounted", False)
-    text = (f"({epsilon:.4g}, {delta:g})-DP under add/remove-one-example adjacency, for "
-            f"{steps} steps of {sampler['sampling']} sampling with rate q = "
-            f"{sampler['sampling_rate']:.6g}, Gaussian noise multiplier {noise_multiplier:.6g} "
-            f"on an L2 sensitivity of {sensitivity:g}, accounted by {accountant} "
-            f"({accountant_version}).")
-    for release in one_off_releases:
-        text += (f" Plus one {release['stage']} release before training (the same sampler, "
-                 f"noise multiplier {release['noise_multiplier']:.6g}, L2 sensitivity "
-                 f"{release['l2_bound']:g}), composed into that epsilon.")
+    text = (f"({epsilon:.6g}, {delta:g})-DP under add/remove-one-example adjacency for the "
+            f"{sampler.get('dataset_size', 'N')} private training examples, from the "
+            f"composition of {len(mechanisms)} mechanism(s), accounted together by "
+            f"{accountant} ({accountant_version}; {accounting_note}): ")
+    text += "; ".join(f"({i + 1}) {_describe_mechanism(m)}" for i, m in enumerate(mechanisms))
+    text += f". {steps} training steps in all."
     if not poisson:
         text += (" WARNING: batches were shuffled fixed-size batches; the epsilon above is the "
                  "Poisson-sampling epsilon and does NOT hold for this run.")
-    return dict(adjacency="add or remove one example", sampling=sampler["sampling"],
-                sampling_rate=sampler["sampling_rate"], poisson_accounted=poisson,
-                padded_batch_size=sampler.get("padded_batch_size"),
+    text += " NOT covered by this epsilon: " + "; ".join(
+        f"{item['what']}: {item['why']}" for item in not_covered) + "."
+    return dict(adjacency="add or remove one example", epsilon=epsilon, delta=delta,
+                accountant=accountant, accountant_version=accountant_version,
+                accountant_settings=dict(accountant_settings),
+                accounting_note=accounting_note, steps=steps,
+                sampling=sampler["sampling"], sampling_rate=sampler["sampling_rate"],
+                poisson_accounted=poisson, padded_batch_size=sampler.get("padded_batch_size"),
                 truncated_poisson=sampler.get("truncated", False),
-                noise_multiplier=noise_multiplier, l2_sensitivity=sensitivity,
-                releases_per_step=releases_per_step, one_off_releases=list(one_off_releases),
-                steps=steps, delta=delta,
-                epsilon=epsilon, accountant=accountant, accountant_version=accountant_version,
-                statement=text)
+                mechanisms=list(mechanisms), not_covered=list(not_covered), statement=text)

@@ -13,6 +13,8 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 DATA_AXIS = "data"
+# The batch entry with the stages' public host randomness (GIP): replicated, never sharded.
+STAGE_INPUTS = "stage_inputs"
 
 
 def make_mesh(devices=None) -> Mesh:
@@ -30,8 +32,10 @@ def replicated(mesh: Mesh) -> NamedSharding:
 
 
 def put_batch(batch: dict, mesh: Mesh) -> dict:
-    sharding = batch_sharding(mesh)
-    return {name: jax.device_put(value, sharding) for name, value in batch.items()}
+    """Examples sharded over the micro-batch axis; the stages' host inputs replicated."""
+    return {name: jax.device_put(value, replicated(mesh) if name == STAGE_INPUTS
+                                 else batch_sharding(mesh))
+            for name, value in batch.items()}
 
 
 def put_replicated(tree, mesh: Mesh):

@@ -145,6 +145,37 @@ def _truncate_metrics(workdir: Path, last_step: int) -> None:
                               "".join(json.dumps(r) + "\n" for r in rows))
 
 
+def not_covered(dataset: data.Dataset, config: TrainConfig) -> list:
+    """What a run touches that its epsilon does not protect, each with why (for the privacy
+    statement): the splits carved from the training set, tuning, the non-private diagnostics,
+    and, for a seeded benchmark run, the noise itself."""
+    items = [dict(what=f"the validation split ({len(dataset.validation)} examples carved from "
+                       "the training set)",
+                  why="it chooses the reported model (the best validation step) and, in a "
+                      "sweep, the configuration; its individuals are not protected")]
+    if dataset.public is not None:
+        items.append(dict(what=f"the public split ({len(dataset.public)} examples carved from "
+                               "the training set)",
+                          why="declared public and read without noise (e.g. GEP's anchor "
+                              "gradients); its individuals are not protected"))
+    items += [
+        dict(what="the test split", why="its accuracy is reported without noise"),
+        dict(what="hyperparameter tuning",
+             why="choosing among several runs on the same private data costs privacy beyond "
+                 "this one run's epsilon, which does not include it"),
+        dict(what="the non-private diagnostics",
+             why="train loss, update norm, non-finite counts" + (
+                 " and the fidelity metrics" if config.fidelity_every_steps else "") +
+                 " are computed from private batches without noise, and so is the decision "
+                 "to stop a diverged run")]
+    if config.seed is not None:
+        items.append(dict(what=f"this run as a release (train.seed = {config.seed})",
+                          why="a benchmark run derives all its noise from the recorded seed, "
+                              "so anyone holding the record can regenerate the noise; a model "
+                              "meant to be released needs train.seed = None"))
+    return items
+
+
 def run_settings(*, pipeline_name, compiled, dataset, config: TrainConfig, budget,
                  model_name) -> dict:
     """Every setting a checkpoint's privacy ledger (and its model) depends on: resuming under a
@@ -210,7 +241,7 @@ def build_run(stages: Sequence[Stage], config: TrainConfig, budget: accounting.B
     example_shape = dataset.input_shape
 
     seed = config.seed if config.seed is not None else secrets.randbits(63)
-    seeds = np.random.SeedSequence(seed).generate_state(3)
+    seeds = np.random.SeedSequence(seed).generate_state(4)
     params_key, run_key = jax.random.key(int(seeds[0])), jax.random.key(int(seeds[1]))
     mesh = sharding.make_mesh()
     sampler = sampling.make_sampler(n, config.batch_size, seed=int(seeds[2]),
@@ -231,7 +262,7 @@ def build_run(stages: Sequence[Stage], config: TrainConfig, budget: accounting.B
         public_images=None if dataset.public is None else dataset.public.images,
         num_classes=dataset.num_classes,
         linear_apply=models.linearized(dataset.num_classes).apply,
-        fidelity_diagnostics=config.fidelity_every_steps > 0)
+        fidelity_diagnostics=config.fidelity_every_steps > 0, host_seed=int(seeds[3]))
     return Run(dataset=dataset, model=model, model_name=model_name, sampler=sampler, mesh=mesh,
                compiled=compiled, params_key=params_key, run_key=run_key,
                init_params=init_params, total_steps=total_steps,
@@ -347,10 +378,10 @@ def train(workdir: str | Path, config: Optional[TrainConfig] = None,
     nonfinite_device = jnp.zeros((), jnp.float32)
     for step in range(start_step, end_step):
         indices = sampler.sample(step)
-        batch = compiled.batch_layout({
+        batch = compiled.host_batch({
             "image": dataset.train.images[indices.indices],
             "label": dataset.train.labels[indices.indices],
-            "mask": indices.mask})
+            "mask": indices.mask}, step)
         batch = sharding.put_batch(batch, mesh)
         state, metrics = compiled.step(state, batch)
         nonfinite_device = nonfinite_device + metrics["nonfinite_examples"]
@@ -403,18 +434,20 @@ def train(workdir: str | Path, config: Optional[TrainConfig] = None,
     steady = interval_step_s[1:] or interval_step_s
     sampler_info = sampler.describe()
     statement = records.privacy_statement(
-        epsilon=epsilon, delta=budget.delta, noise_multiplier=compiled.noise_multiplier,
-        sensitivity=compiled.sensitivity, steps=end_step, sampler=sampler_info,
+        epsilon=epsilon, delta=budget.delta,
+        mechanisms=[accounting.mechanism_fields(m) for m in compiled.ledger(end_step)
+                    if m.count > 0],
+        sampler=dict(sampler_info, dataset_size=n), steps=end_step,
         accountant=budget.accountant, accountant_version=accounting.accountant_version(),
-        releases_per_step=sum(1 for s in compiled.stages if s.is_release),
-        one_off_releases=[dict(stage=s.name, noise_multiplier=compiled.init_noise_multiplier,
-                               l2_bound=s.init_release.l2_bound)
-                          for s in compiled.stages if s.init_release is not None])
+        accountant_settings=accounting.accountant_settings(budget),
+        accounting_note=accounting.accounting_note(compiled.run_event(end_step), budget),
+        not_covered=not_covered(dataset, config))
     record = dict(
         pipeline=pipeline_name, gin_files=list(gin_files),
         stages=[dict(name=s.name, **s.options) for s in compiled.stages],
         dataset=dataset.name, model=model_name,
         dataset_size=n, validation_size=len(dataset.validation),
+        public_size=0 if dataset.public is None else len(dataset.public),
         target_epsilon=budget.epsilon, epsilon=epsilon, delta=budget.delta,
         accountant=budget.accountant, noise_multiplier=compiled.noise_multiplier,
         l2_sensitivity=compiled.sensitivity, batch_size=config.batch_size,

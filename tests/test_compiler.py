@@ -146,6 +146,34 @@ def test_undeclared_transforms_and_selection_are_rejected():
         compiler.validate_pipeline(second_clip)
 
 
+@pytest.mark.parametrize("change,match", [
+    (dict(dp_event=None), r"'select.sneaky'.*DP cost"),
+    (dict(lipschitz=None), r"'select.sneaky'.*Lipschitz"),
+    (dict(), r"'select.sneaky' declares a DP cost, but its dp_event returned None"),
+])
+def test_the_compiler_validates_the_stages_it_actually_runs(change, match):
+    """A stage whose build() drops a declaration the unbuilt stage made is rejected at
+    compile time (the unbuilt one passes validation), and a correct build compiles."""
+    import dataclasses
+
+    def build(stage, info):
+        return dataclasses.replace(stage, build=None, apply=lambda v, s, ctx: (v, s), **change)
+
+    sneaky = _stage("select.sneaky", Kind.AGGREGATE, Kind.AGGREGATE, lipschitz=1.0,
+                    dp_event=lambda info: None, build=build)
+    pipeline = [stages.grad.per_example(), stages.clip.global_l2(1.0), sneaky,
+                stages.noise.gaussian(), stages.optimize.optax_optimizer()]
+    compiler.validate_pipeline(pipeline)  # the declaration as written passes
+    with pytest.raises(compiler.PipelineError, match=match):
+        compile_small(pipeline, noise_multiplier=1.0)
+    honest = dataclasses.replace(sneaky, build=lambda stage, info: dataclasses.replace(
+        stage, build=None, reads_private=False, dp_event=None,
+        apply=lambda v, s, ctx: (v, s)))
+    compile_small([stages.grad.per_example(), stages.clip.global_l2(1.0), honest,
+                   stages.noise.gaussian(), stages.optimize.optax_optimizer()],
+                  noise_multiplier=1.0)
+
+
 def test_sensitivity_is_the_clip_bound_times_lipschitz_factors():
     mask = _stage("sparsify.half", Kind.BOUNDED, Kind.BOUNDED, lipschitz=0.5)
     v = compiler.validate_pipeline([stages.grad.per_example(), stages.clip.global_l2(3.0),

@@ -28,9 +28,10 @@ def test_cli_trains_and_writes_a_record_with_a_privacy_statement(tmp_path):
     record = json.loads((workdir / "run_record.json").read_text())
     statement = record["privacy_statement"]
     assert record["epsilon"] <= 2.0 and 2.0 - record["epsilon"] < 1e-3
-    assert statement["noise_multiplier"] == record["noise_multiplier"] > 0
+    (gaussian,) = statement["mechanisms"]
+    assert gaussian["noise_multiplier"] == record["noise_multiplier"] > 0
     clip = next(s for s in record["stages"] if s["name"] == "clip.global_l2")
-    assert statement["l2_sensitivity"] == clip["l2_bound"] and statement["poisson_accounted"]
+    assert gaussian["l2_sensitivity"] == clip["l2_bound"] and statement["poisson_accounted"]
     assert statement["accountant"] == "pld" and "dp-accounting" in statement["accountant_version"]
     assert record["test_accuracy"] > 0.3  # far above chance (0.1) after 3 epochs
     assert (workdir / "operative_config.gin").exists() and (workdir / "config.gin").exists()

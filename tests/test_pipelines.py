@@ -4,6 +4,11 @@ from pathlib import Path
 
 import pytest
 
+from dp_accounting import dp_event
+from dp_accounting.pld import common as pld_common
+from dp_accounting.pld import pld_privacy_accountant
+from dp_accounting.pld import privacy_loss_distribution as pld_lib
+
 from dpbench import main, train
 from tests.conftest import REPO_ROOT
 
@@ -12,6 +17,58 @@ PIPELINES = sorted(p.name for p in (REPO_ROOT / "pipelines").glob("*.gin"))
 
 def test_there_are_pipelines():
     assert "dpsgd.gin" in PIPELINES
+
+
+def rebuild_epsilon(statement: dict) -> float:
+    """Epsilon from the statement's machine-readable fields alone, with dp_accounting's own
+    constructors (not dpbench's event builder): one PLD per mechanism, composed."""
+    assert statement["accountant"] == "pld"
+    vdi = statement["accountant_settings"]["value_discretization_interval"]
+    mechanisms = statement["mechanisms"]
+    if all(m["kind"] == "gaussian" for m in mechanisms):
+        accountant = pld_privacy_accountant.PLDAccountant(value_discretization_interval=vdi)
+        for m in mechanisms:
+            event = (dp_event.TruncatedSubsampledGaussianDpEvent(
+                m["dataset_size"], m["sampling_probability"], m["truncated_batch_size"],
+                m["effective_noise_multiplier"]) if m["truncated_batch_size"] is not None else
+                dp_event.PoissonSampledDpEvent(m["sampling_probability"], dp_event.GaussianDpEvent(
+                    m["effective_noise_multiplier"])))
+            accountant.compose(event, m["count"])
+        return accountant.get_epsilon(statement["delta"])
+    total = None
+    for m in mechanisms:
+        if m["kind"] == "pure":  # T pure releases by basic composition: one pure event
+            pld = pld_lib.from_privacy_parameters(pld_common.DifferentialPrivacyParameters(
+                m["epsilon_total"], 0.0), value_discretization_interval=vdi)
+        else:
+            assert m["truncated_batch_size"] is not None
+            pld = pld_lib.from_truncated_subsampled_gaussian_mechanism(
+                dataset_size=m["dataset_size"], sampling_probability=m["sampling_probability"],
+                truncated_batch_size=m["truncated_batch_size"],
+                noise_multiplier=m["effective_noise_multiplier"],
+                value_discretization_interval=vdi).self_compose(m["count"])
+        total = pld if total is None else total.compose(pld)
+    return total.get_epsilon_for_delta(statement["delta"])
+
+
+def check_statement(record: dict) -> None:
+    """The statement's epsilon is rebuilt from its own fields, and its text names every
+    mechanism of the ledger and everything it does not cover."""
+    statement = record["privacy_statement"]
+    assert rebuild_epsilon(statement) == pytest.approx(record["epsilon"], rel=1e-6)
+    assert statement["epsilon"] == record["epsilon"]
+    text = statement["statement"]
+    for m in statement["mechanisms"]:
+        assert m["name"] in text and m["source"] in text
+        if m["kind"] == "gaussian":
+            assert f"{m['noise_multiplier']:.6g}" in text
+    covered = [item["what"] for item in statement["not_covered"]]
+    for what in covered:
+        assert what in text
+    assert any("validation split" in w for w in covered)
+    assert any("hyperparameter tuning" in w for w in covered)
+    assert any("diagnostics" in w for w in covered)
+    assert any("public split" in w for w in covered) == (record["public_size"] > 0)
 
 
 @pytest.mark.parametrize("pipeline", PIPELINES)
@@ -24,6 +81,7 @@ def test_pipeline_trains_on_digits(pipeline, tmp_path):
     assert record["pipeline"] == Path(pipeline).stem
     assert record["epsilon"] <= record["target_epsilon"]
     assert record["test_accuracy"] > 0.2
+    check_statement(record)
 
 
 @pytest.mark.parametrize("prune", ["synflow", "dp_snip"])
@@ -33,8 +91,8 @@ def test_dpssgd_prune_variants_by_binding(prune, tmp_path):
                               "prune.synflow.iterations = 10"])
     record = train.train(tmp_path / "run", gin_files=files)
     assert record["stages"][1]["name"] == f"prune.{prune}"
-    statement = record["privacy_statement"]
-    releases = [r["stage"] for r in statement["one_off_releases"]]
-    assert releases == (["prune.dp_snip"] if prune == "dp_snip" else [])
-    assert ("prune.dp_snip release before training" in statement["statement"]) == bool(releases)
+    check_statement(record)
+    once = [m["source"] for m in record["privacy_statement"]["mechanisms"]
+            if m["schedule"] == "once before training"]
+    assert once == (["prune.dp_snip"] if prune == "dp_snip" else [])
     assert record["target_epsilon"] - 1e-3 < record["epsilon"] <= record["target_epsilon"]

@@ -60,6 +60,11 @@ class StepContext(NamedTuple):
     loss_fn: Optional[Callable] = None
     noise_multiplier: float = 0.0
     sensitivity: float = 0.0
+    host_inputs: Any = None  # this stage's public host randomness for this step (host_inputs)
+
+
+def _gradient(params, grads):  # noqa: ARG001
+    return grads
 
 
 class InitRelease(NamedTuple):
@@ -68,6 +73,9 @@ class InitRelease(NamedTuple):
     l2_bound: float
     epsilon_fraction: float  # its noise is set so that it alone spends this share of epsilon
     init: Callable           # (params, released_sum, key) -> stage state
+    # (params, one example's gradient) -> the per-example value that is clipped and summed
+    per_example: Callable = _gradient
+    released: str = "the clipped per-example gradient sum"  # what it releases, in words
 
 
 def _no_state(params, key, info):  # noqa: ARG001
@@ -111,6 +119,14 @@ class Stage:
         random-k); then it needs no ``dp_event``.
       prepare_params: ``prepare_params(params, state) -> params``, applied once to the initial
         parameters (e.g. a pre-pruning mask zeroing pruned weights); must not read private data.
+      host_inputs: ``host_inputs(step, rng) -> pytree of numpy arrays``: public randomness
+        this (batch) stage needs drawn on the host, exactly (e.g. GIP's Mallows draws, which
+        float32 on the device cannot sample to the precision its privacy claim needs). ``rng``
+        is a numpy Generator seeded by (run host seed, stage, step); the result reaches
+        ``apply`` as ``ctx.host_inputs``. It never sees data.
+      after_update: ``after_update(updates, state, ctx) -> updates``: public post-processing of
+        the optimizer's output with the stage's own public state (DP-SSGD freezes the
+        coordinates dropped this step, so momentum cannot move them).
       options: the factory's arguments, recorded in the run record.
     """
 
@@ -130,6 +146,8 @@ class Stage:
     parts: int = 1
     init_release: Optional[Any] = None
     begin_step: Optional[Callable] = None
+    host_inputs: Optional[Callable] = None
+    after_update: Optional[Callable] = None
     options: dict = dataclasses.field(default_factory=dict)
 
     @property

@@ -7,6 +7,13 @@ smallest-magnitude parameters (the parameters are public: they are a function of
 values). The clip then bounds only the kept coordinates, and after the release the same mask
 removes the noise on the dropped ones, so only kept coordinates are noised and updated by this
 step's gradient. Sensitivity and epsilon are DP-SGD's.
+
+Frozen coordinates (paper eq. 5, the default ``freeze_dropped=True``): the dropped coordinates
+keep their value this step. With momentum or Adam, masking the gradient alone is not enough
+(the optimizer's state would still move them), so the optimizer's UPDATE is masked too
+(``after_update``); the optimizer state itself evolves as with a zero gradient there.
+``freeze_dropped=False`` is the variant that masks only the gradient (momentum still moves
+dropped coordinates): dpbench's DP-SSGD before 2026-11-23, kept for comparison.
 """
 
 from __future__ import annotations
@@ -55,14 +62,19 @@ def drop_mask(criterion: str, rate: float, params, key, step):
 
 
 @register_stage("drop.gradients")
-def gradients(rate: float = 0.5, criterion: str = "random") -> Stage:
+def gradients(rate: float = 0.5, criterion: str = "random",
+              freeze_dropped: bool = True) -> Stage:
     """Drops ``rate`` of each weight tensor's (unpruned) per-example gradient coordinates
-    before clipping; biases are never dropped."""
+    before clipping; biases are never dropped. With ``freeze_dropped`` (the paper's eq. 5)
+    dropped coordinates do not move this step, whatever the optimizer."""
     if not 0.0 <= rate < 1.0:
         raise ValueError(f"drop.gradients.rate must lie in [0, 1), got {rate!r}")
     if criterion not in CRITERIA:
         raise ValueError(f"drop.gradients.criterion must be one of {CRITERIA}, "
                          f"got {criterion!r}")
+    if not isinstance(freeze_dropped, bool):
+        raise ValueError(f"drop.gradients.freeze_dropped must be True or False, "
+                         f"got {freeze_dropped!r}")
 
     def init(params, key, info):
         del info
@@ -78,11 +90,12 @@ def gradients(rate: float = 0.5, criterion: str = "random") -> Stage:
         del ctx
         return jax.tree.map(jnp.multiply, grads, state["mask"])
 
-    def after_release(released, state, ctx):
+    def mask_values(values, state, ctx):
         del ctx
-        return jax.tree.map(jnp.multiply, released, state["mask"])
+        return jax.tree.map(jnp.multiply, values, state["mask"])
 
     return Stage(name="drop.gradients", kind_in=Kind.PER_EXAMPLE, kind_out=Kind.PER_EXAMPLE,
                  apply=apply, init=init, begin_step=begin_step,
-                 after_release=after_release,
-                 options=dict(rate=rate, criterion=criterion))
+                 after_release=mask_values,
+                 after_update=mask_values if freeze_dropped else None,
+                 options=dict(rate=rate, criterion=criterion, freeze_dropped=freeze_dropped))

@@ -159,7 +159,9 @@ def embed_and_clip(num_basis: int = 200, num_anchors: int = 512, embedding_bound
         return Stage(name=name, kind_in=Kind.PER_EXAMPLE, kind_out=Kind.BOUNDED, apply=apply,
                      init=init, begin_step=begin_step, after_release=after_release,
                      l2_bound=1.0, parts=1 if biased else 2,
-                     options=dict(options, basis_per_group=ks))
+                     options=dict(options, basis_per_group=ks, part_bounds=(
+                         {"embedding": embedding_bound} if biased else
+                         {"embedding": embedding_bound, "residual": residual_bound})))
 
 
     return Stage(name=name, kind_in=Kind.PER_EXAMPLE, kind_out=Kind.BOUNDED,

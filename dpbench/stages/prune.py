@@ -124,6 +124,11 @@ def top_fraction_mask(scores, params, keep_fraction: float):
                         scores, params, prunable)
 
 
+def connection_scores(params, grads):
+    """SNIP's per-example connection sensitivity d loss / d c at c = 1: theta * grad."""
+    return jax.tree.map(jnp.multiply, params, grads)
+
+
 def _needs_release(params, key):
     raise RuntimeError("prune.dp_snip's state comes from its accounted release; the compiler "
                        "calls init_release.init")
@@ -132,11 +137,13 @@ def _needs_release(params, key):
 @register_stage("prune.dp_snip")
 def dp_snip(sparsity: float = 0.5, l2_bound: float = 1.0,
             epsilon_fraction: float = 0.1) -> Stage:
-    """DP-SNIP pre-pruning: SNIP's connection sensitivity |theta * g| with g a DIFFERENTIALLY
-    PRIVATE gradient sum, released once before training (clip each example to ``l2_bound``,
-    sum over one batch of the run's Poisson sampler, Gaussian noise). The compiler performs and
-    accounts the release: its noise alone spends ``epsilon_fraction`` of epsilon, and the
-    training sigma is calibrated on the composition, so its cost shows in the reported epsilon.
+    """DP-SNIP pre-pruning (the paper's Alg. 2): each example's connection scores
+    g_j = d loss / d c_j = theta_j * d loss / d theta_j (at the public initialization) are
+    clipped to ``l2_bound`` as one vector, summed over one batch of the run's Poisson sampler
+    and released once with Gaussian noise; the weights with the largest |released score| are
+    kept. The compiler performs and accounts the release: its noise alone spends
+    ``epsilon_fraction`` of epsilon, and the training sigma is calibrated on the composition,
+    so its cost shows in the reported epsilon.
     """
     if not 0.0 <= sparsity < 1.0:
         raise ValueError(f"prune.dp_snip.sparsity must lie in [0, 1), got {sparsity!r}")
@@ -147,11 +154,13 @@ def dp_snip(sparsity: float = 0.5, l2_bound: float = 1.0,
         raise ValueError(f"prune.dp_snip.l2_bound must be > 0, got {l2_bound!r}")
 
     def init_from_release(params, released, key):
-        del key
-        scores = jax.tree.map(lambda w, g: jnp.abs(w * g), params, released)
-        return {"mask": top_fraction_mask(scores, params, 1.0 - sparsity)}
+        del key  # the released sum already holds the connection scores theta * grad
+        return {"mask": top_fraction_mask(jax.tree.map(jnp.abs, released), params,
+                                          1.0 - sparsity)}
 
     stage = _masking_stage("prune.dp_snip", _needs_release, dict(
         sparsity=sparsity, l2_bound=l2_bound, epsilon_fraction=epsilon_fraction))
     return dataclasses.replace(stage, init_release=InitRelease(
-        l2_bound=l2_bound, epsilon_fraction=epsilon_fraction, init=init_from_release))
+        l2_bound=l2_bound, epsilon_fraction=epsilon_fraction, init=init_from_release,
+        per_example=connection_scores,
+        released="the sum of clipped per-example connection scores theta * grad (DP-SNIP)"))

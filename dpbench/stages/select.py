@@ -13,6 +13,15 @@ exp(-2 theta i), then flip i random ones to zero and i random zeros to one. With
 sensitivity s1 = min(2m, 2(l-m)) and theta = eps_group / s1, each group is eps_group-DP
 (Theorem 1 of the paper); the G groups of one step compose to eps_step = G * eps_group.
 
+Exactness: at a real run's budget eps_group is ~1e-7 and theta ~1e-9, below float32
+resolution, and the law's tails (~1e-76 at l = 256) are below any float. Everything random
+about the index release is therefore drawn on the host, from public inputs only (the step's m,
+theta, a seeded Generator): the swap counts i by ``exact.MallowsDistance`` (integer proposal,
+exact Bernoulli(exp(-2 theta i)) acceptance, theta a rational) and a uniformly random
+permutation per group that picks which ones and zeros flip (``mallows_flip``). The device only
+computes the private top-m set and applies those draws, so the implemented law is the
+Mallows law exactly (tests/stages/test_select.py checks the log-probability ratio).
+
 Accounting (how it composes, and why that is sound): eps_step = index_fraction * target_eps / T
 is fixed before training (the paper's budget split: 1% of epsilon for indices, spread evenly
 over steps). Each step's index release is an eps_step-DP mechanism; it enters the ledger as
@@ -27,26 +36,29 @@ composition meets the target.
 from __future__ import annotations
 
 import math
+from fractions import Fraction
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.flatten_util import ravel_pytree
-from jax.scipy.special import gammaln
 
-from dpbench import accounting
+from dpbench import accounting, exact
 from dpbench.stages.base import Kind, Stage, StageInfo, register_stage, requires_build
 
 SCHEDULES = ("linear", "exponential", "constant")
 
 
-def keep_fraction(step, total_steps: int, k_start: float, k_end: float, schedule: str):
-    """k_t: linear or exponential interpolation from k_start (step 0) to k_end (last step)."""
-    frac = jnp.minimum(step / max(total_steps - 1, 1), 1.0)
+def keep_fraction(step, total_steps: int, k_start: float, k_end: float, schedule: str,
+                  xp=jnp):
+    """k_t: linear or exponential interpolation from k_start (step 0) to k_end (last step).
+    ``xp=np`` computes it on the host in float64."""
+    frac = xp.minimum(step / max(total_steps - 1, 1), 1.0)
     if schedule == "linear":
         return k_start + (k_end - k_start) * frac
     if schedule == "exponential":
         return k_start * (k_end / k_start) ** frac
-    return jnp.asarray(k_start, jnp.float32) + 0.0 * frac
+    return k_start + 0.0 * frac
 
 
 def _to_groups(tree, group_size: int):
@@ -68,46 +80,31 @@ def row_ranks(scores):
     return jnp.put_along_axis(jnp.zeros_like(order), order, positions, axis=-1, inplace=False)
 
 
-def _rank_within(scores, selected):
-    """Rank (0 = smallest score) of each selected entry among the selected ones of its row."""
-    return row_ranks(jnp.where(selected, scores, jnp.inf))
-
-
 def top_m_mask(values, m):
     """Per row, 1.0 on the m entries of largest |value| (m may be traced), else 0.0."""
     return (row_ranks(-jnp.abs(values)) < m).astype(values.dtype)
 
 
-def mallows_distance_logits(group_size: int, m, theta):
-    """log P(i) up to a constant for i = 0..group_size, -inf where i > min(m, l - m)."""
-    i = jnp.arange(group_size + 1, dtype=jnp.float32)
-    m = jnp.asarray(m, jnp.float32)
-
-    def log_comb(n, r):
-        return gammaln(n + 1) - gammaln(r + 1) - gammaln(jnp.maximum(n - r, 0) + 1)
-
-    logits = log_comb(m, i) + log_comb(group_size - m, i) - 2.0 * theta * i
-    return jnp.where(i <= jnp.minimum(m, group_size - m), logits, -jnp.inf)
+def index_theta(eps_group: Fraction, m: int, group_size: int) -> Fraction:
+    """theta = eps_group / s1 with index sensitivity s1 = min(2m, 2(l - m)) (Theorem 1), as an
+    exact rational (0 when s1 = 0: then only one index set exists and nothing is revealed)."""
+    sensitivity = min(2 * m, 2 * (group_size - m))
+    return Fraction(eps_group) / sensitivity if sensitivity else Fraction(0)
 
 
-def mallows_perturb(key, reference, m, theta):
-    """Samples I ~ Mallows(theta) around each row of the 0/1 ``reference`` (m ones per row)."""
-    groups, group_size = reference.shape
-    dist_key, ones_key, zeros_key = jax.random.split(key, 3)
-    logits = mallows_distance_logits(group_size, m, theta)
-    distance = jax.random.categorical(dist_key, logits, shape=(groups,))[:, None]
+def mallows_flip(reference, distance, priority):
+    """Per row, flips ``distance[g]`` ones of the 0/1 ``reference`` to zero and as many zeros to
+    one: those of smallest ``priority`` within each class. With ``priority`` a uniformly random
+    permutation of the row (drawn on the host, independent of the data), the flipped ones and
+    zeros are uniform subsets of their class, exactly: the Mallows model's second stage."""
+    group_size = reference.shape[-1]
     ones = reference > 0
-    flip_off = ones & (_rank_within(jax.random.uniform(ones_key, reference.shape), ones)
-                       < distance)
-    flip_on = ~ones & (_rank_within(jax.random.uniform(zeros_key, reference.shape), ~ones)
-                       < distance)
-    return jnp.where(flip_off, 0.0, jnp.where(flip_on, 1.0, reference)).astype(reference.dtype)
-
-
-def index_theta(eps_group: float, m, group_size: int):
-    """theta = eps_group / s1 with index sensitivity s1 = min(2m, 2(l - m)) (Theorem 1)."""
-    sensitivity = jnp.minimum(2 * m, 2 * (group_size - m))
-    return eps_group / jnp.maximum(sensitivity, 1.0)
+    # All ones rank before all zeros; within each class by priority (no ties: a permutation).
+    rank = row_ranks(jnp.where(ones, priority, priority + group_size))
+    ones_per_row = jnp.sum(ones, axis=-1, keepdims=True).astype(rank.dtype)
+    d = distance[:, None].astype(rank.dtype)
+    flip = jnp.where(ones, rank < d, rank - ones_per_row < d)
+    return jnp.where(flip, 1.0 - reference, reference).astype(reference.dtype)
 
 
 def _mask_after_release(released, state, ctx):
@@ -128,7 +125,13 @@ def _validate(name, group_size, k_start, k_end, schedule):
 @register_stage("select.gip")
 def gip(group_size: int = 256, k_start: float = 1.0, k_end: float = 0.1,
         schedule: str = "linear", index_fraction: float = 0.01) -> Stage:
-    """GIP: noisy top-k index selection per group of the clipped sum (an accounted mechanism)."""
+    """GIP: noisy top-k index selection per group of the clipped sum (an accounted mechanism).
+
+    Guarantee: each step's index release is exactly eps_step-DP (pure), eps_step =
+    index_fraction * target epsilon / T: per group the Mallows law is sampled on the host
+    with exact integer and rational arithmetic (``exact.MallowsDistance``, a uniform random
+    permutation for the flips), so no float rounding changes the output probabilities.
+    """
     _validate("select.gip", group_size, k_start, k_end, schedule)
     if not 0 < index_fraction < 1:
         raise ValueError(f"select.gip.index_fraction must lie in (0, 1), got {index_fraction!r}")
@@ -143,7 +146,19 @@ def gip(group_size: int = 256, k_start: float = 1.0, k_end: float = 0.1,
         size = sum(math.prod(x.shape) for x in jax.tree.leaves(info.param_shapes))
         groups = -(-size // group_size)
         eps_step = index_fraction * info.target_epsilon / total
-        eps_group = eps_step / groups
+        laws = {}  # m -> exact distance sampler (m takes at most group_size + 1 values)
+
+        def host_inputs(step, rng):
+            k = float(keep_fraction(step, total, k_start, k_end, schedule, xp=np))
+            m = int(np.round(k * group_size))
+            if m not in laws:
+                # The G groups of a step compose to eps_step: eps_group = eps_step / G exactly.
+                laws[m] = exact.MallowsDistance(group_size, m, index_theta(
+                    Fraction(eps_step) / groups, m, group_size))
+            distance = np.array([laws[m].sample(rng) for _ in range(groups)], np.int32)
+            priority = rng.permuted(np.tile(np.arange(group_size, dtype=np.int32),
+                                            (groups, 1)), axis=1)
+            return {"m": np.int32(m), "distance": distance, "priority": priority}
 
         def init(params, key, info):
             del info
@@ -151,11 +166,9 @@ def gip(group_size: int = 256, k_start: float = 1.0, k_end: float = 0.1,
 
         def apply(value, state, ctx):
             grouped, n, unravel = _to_groups(value, group_size)
-            k = keep_fraction(ctx.step, total, k_start, k_end, schedule)
-            m = jnp.round(k * group_size)
-            reference = top_m_mask(grouped, m)
-            theta = index_theta(eps_group, m, group_size)
-            released = mallows_perturb(ctx.key, reference, m, theta)
+            drawn = ctx.host_inputs
+            reference = top_m_mask(grouped, drawn["m"])  # private: the exact top-m per group
+            released = mallows_flip(reference, drawn["distance"], drawn["priority"])
             return value, {"mask": _from_groups(released, n, unravel)}
 
         def step_event(info):
@@ -164,8 +177,14 @@ def gip(group_size: int = 256, k_start: float = 1.0, k_end: float = 0.1,
 
         return Stage(name=stage.name, kind_in=Kind.AGGREGATE, kind_out=Kind.AGGREGATE,
                      apply=apply, init=init, lipschitz=1.0, dp_event=step_event,
-                     after_release=_mask_after_release,
-                     options=dict(options, eps_index_per_step=eps_step, groups=groups))
+                     after_release=_mask_after_release, host_inputs=host_inputs,
+                     options=dict(options, eps_index_per_step=eps_step, groups=groups,
+                                  eps_index_per_group=eps_step / groups, mechanism=(
+                                      f"Mallows index release of the top-k set of each of "
+                                      f"{groups} groups of {group_size} coordinates (each group "
+                                      f"{eps_step / groups:.4g}-DP with theta = eps_group / "
+                                      "min(2m, 2(l - m)), the groups of a step by basic "
+                                      "composition; sampled exactly on the host)")))
 
 
     # Declared at factory time too, so validation sees a priced mechanism.

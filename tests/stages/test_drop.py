@@ -5,6 +5,7 @@ import pytest
 
 from dpbench import stages
 from dpbench.stages.base import StepContext
+from tests.conftest import compile_small, make_batch, random_data
 
 
 def _ctx(params, step):
@@ -81,3 +82,37 @@ def test_bad_rate_and_criterion_are_rejected():
         stages.drop.gradients(rate=1.0)
     with pytest.raises(ValueError, match="criterion"):
         stages.drop.gradients(criterion="gradient")
+    with pytest.raises(ValueError, match="freeze_dropped"):
+        stages.drop.gradients(freeze_dropped="yes")
+
+
+def _momentum_dpssgd(freeze_dropped):
+    return [stages.grad.per_example(),
+            stages.drop.gradients(rate=0.5, criterion="random", freeze_dropped=freeze_dropped),
+            stages.clip.global_l2(1.0), stages.noise.gaussian(),
+            stages.optimize.optax_optimizer(optimizer="momentum", learning_rate=0.5)]
+
+
+@pytest.mark.parametrize("freeze_dropped", [True, False])
+def test_dropped_coordinates_are_frozen_even_with_momentum(freeze_dropped):
+    """Paper eq. 5: theta[I_ns] keeps its value. After steps that build momentum, a step's
+    dropped weights must not move; masking only the gradient (the variant) lets them move."""
+    n = 64
+    compiled, init_params, _ = compile_small(_momentum_dpssgd(freeze_dropped), n=n,
+                                             batch_size=32, micro=8, noise_multiplier=0.5,
+                                             model_name="mlp")
+    images, labels = random_data(n)
+    state = compiled.init_state(init_params(jax.random.key(0)), jax.random.key(1))
+    for step in range(3):
+        before = jax.tree.map(np.asarray, jax.device_get(state.params))
+        b = compiled.sampler.sample(step)
+        state, _ = compiled.step(state, make_batch(compiled, images, labels, b.indices, b.mask))
+    after = jax.tree.map(np.asarray, jax.device_get(state.params))
+    keep = jax.tree.map(np.asarray, jax.device_get(state.stage_states[1]["mask"]))
+    moved_dropped = [np.any(a[k == 0] != p[k == 0]) for a, p, k in zip(
+        jax.tree.leaves(after), jax.tree.leaves(before), jax.tree.leaves(keep))]
+    assert any(np.any(k == 0) for k in jax.tree.leaves(keep))  # this step dropped something
+    assert any(moved_dropped) is (not freeze_dropped)
+    kept_moved = [np.any(a[k == 1] != p[k == 1]) for a, p, k in zip(
+        jax.tree.leaves(after), jax.tree.leaves(before), jax.tree.leaves(keep))]
+    assert all(kept_moved)  # kept coordinates still train

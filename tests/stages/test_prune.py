@@ -70,12 +70,12 @@ def test_dp_snip_release_is_in_the_ledger_and_costs_epsilon():
                                budget=budget, total_steps=100)
     base, _, _ = compile_small([s for i, s in enumerate(_snip_pipeline()) if i != 1], n=1000,
                                batch_size=50, micro=10, budget=budget, total_steps=100)
-    assert snip.needs_release_batch and len(snip.pre_events) == 1
+    assert snip.needs_release_batch and len(snip.pre_mechanisms) == 1
     assert snip.epsilon_after(0) > 0                       # spent before the first step
     assert 2.0 - 1e-3 < snip.epsilon_after(100) <= 2.0     # the whole run meets the target
     assert snip.noise_multiplier > base.noise_multiplier   # so training noise is larger
     # the one-off release alone spends about its share (20%) of epsilon
-    alone = accounting.epsilon_of(snip.pre_events[0], budget)
+    alone = accounting.epsilon_of(snip.pre_mechanisms[0].event, budget)
     assert alone == pytest.approx(0.4, abs=1e-3)
 
 
@@ -96,3 +96,48 @@ def test_dp_snip_prunes_from_the_release_and_needs_a_sampler_batch():
     assert abs(kept - 0.5) < 0.01
     for p, m in zip(jax.tree.leaves(state.params), jax.tree.leaves(mask)):
         assert np.all(np.asarray(p)[m == 0] == 0)
+
+
+def test_dp_snip_clips_each_examples_connection_scores_theta_times_grad():
+    """The paper's Alg. 2: what is clipped (per example) and released is theta * grad, so each
+    example's contribution has L2 norm <= the clip bound; |theta| * clip(grad) would not be."""
+    bound = 0.05
+    stage = stages.prune.dp_snip(l2_bound=bound)
+    rng = np.random.default_rng()
+    params = {"w": jnp.asarray(rng.normal(size=(6, 5)) * 3.0, jnp.float32)}
+    grads = {"w": jnp.asarray(rng.normal(size=(6, 5)) * 10.0, jnp.float32)}
+    release = stage.init_release
+    scores = jax.jit(release.per_example)(params, grads)
+    np.testing.assert_allclose(scores["w"], params["w"] * grads["w"], rtol=1e-6)
+    from dpbench.stages.clip import clip_to_l2
+    clipped = jax.jit(lambda v: clip_to_l2(v, release.l2_bound))(scores)
+    assert float(jnp.linalg.norm(clipped["w"])) <= bound * (1 + 1e-6)
+    # the old order (clip the gradient, then multiply by |theta|) exceeds the bound here
+    old = jnp.abs(params["w"]) * clip_to_l2(grads, bound)["w"]
+    assert float(jnp.linalg.norm(old)) > bound
+
+
+def test_dp_snip_released_sum_is_the_sum_of_clipped_connection_scores():
+    """Through the compiler's one-off release with noise 0: the state's mask keeps the
+    largest |sum_b clip(theta * grad_b)|, computed here independently."""
+    compiled, init_params, loss_fn = compile_small(
+        [stages.grad.per_example(), stages.prune.dp_snip(sparsity=0.5, l2_bound=0.01),
+         stages.clip.global_l2(1.0), stages.noise.gaussian(),
+         stages.optimize.optax_optimizer(optimizer="sgd", learning_rate=0.5)],
+        n=64, batch_size=16, micro=8, noise_multiplier=0.0, model_name="mlp")
+    images, labels = random_data(64)
+    params = init_params(jax.random.key(0))
+    from dpbench import sampling
+    from dpbench.stages.clip import clip_to_l2
+    b = compiled.sampler.sample(sampling.PRE_TRAINING_STEP)
+    state = compiled.init_state(params, jax.random.key(1),
+                                make_batch(compiled, images, labels, b.indices, b.mask))
+    total = jax.tree.map(jnp.zeros_like, params)
+    for idx in b.indices[b.mask]:
+        g = jax.grad(loss_fn)(params, jnp.asarray(images[idx]), jnp.asarray(labels[idx]))
+        score = clip_to_l2(jax.tree.map(jnp.multiply, params, g), 0.01)
+        total = jax.tree.map(jnp.add, total, score)
+    want = stages.prune.top_fraction_mask(jax.tree.map(jnp.abs, total), params, 0.5)
+    got = state.stage_states[1]["mask"]
+    for w, g in zip(jax.tree.leaves(want), jax.tree.leaves(got)):
+        assert np.mean(np.asarray(w) == np.asarray(g)) > 0.99  # float ties at the threshold

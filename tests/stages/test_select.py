@@ -1,5 +1,6 @@
 import itertools
 import math
+from fractions import Fraction
 
 import jax
 import jax.numpy as jnp
@@ -8,66 +9,120 @@ import pytest
 import scipy.special
 import scipy.stats
 
-from dpbench import accounting, stages
+from jax.scipy.special import gammaln
+
+from dpbench import accounting, exact, models, stages
 from dpbench.stages import select
 from tests.conftest import compile_small, dpsgd_stages, make_batch, random_data
 
 
-def mallows_pmf(l, m, theta):
-    i = np.arange(min(m, l - m) + 1)
-    w = scipy.special.comb(m, i) * scipy.special.comb(l - m, i) * np.exp(-2 * theta * i)
-    return w / w.sum()
+def _real_eps_group():
+    """GIP's per-group index epsilon in the board's Fashion-MNIST run: 1% of epsilon 3 over
+    T = 1612 steps and G groups of 256 coordinates of the tanh CNN."""
+    model = models.make_model(10, name="tanh_cnn")
+    shapes = jax.eval_shape(model.init, jax.random.key(0), jnp.zeros((1, 28, 28, 1)))
+    groups = -(-sum(math.prod(x.shape) for x in jax.tree.leaves(shapes)) // 256)
+    return Fraction(0.01 * 3.0 / 1612) / groups
 
 
-def _sample(key, reference, m, theta, n):
-    return jax.jit(jax.vmap(lambda k: select.mallows_perturb(k, reference, m, theta)))(
-        jax.random.split(key, n))
+def _old_float32_distance_logits(l, m, theta):
+    """The law dpbench sampled before 2026-11-23: float32 logits, jax.random.categorical."""
+    i = jnp.arange(l + 1, dtype=jnp.float32)
+    log_comb = lambda n, r: (gammaln(n + 1.0) - gammaln(r + 1.0)  # noqa: E731
+                             - gammaln(jnp.maximum(n - r, 0.0) + 1.0))
+    logits = log_comb(jnp.float32(m), i) + log_comb(jnp.float32(l - m), i) - 2.0 * theta * i
+    return np.asarray(jnp.where(i <= min(m, l - m), logits, -jnp.inf), np.float64)
 
 
-@pytest.mark.parametrize("l,m,theta", [(16, 5, 0.2), (12, 9, 0.05), (8, 4, 1.0)])
-def test_mallows_distance_sampler_matches_its_closed_form(l, m, theta):
-    reference = jnp.zeros((1, l)).at[0, :m].set(1.0)
-    out = np.asarray(_sample(jax.random.key(np.random.default_rng().integers(1 << 30)),
-                             reference, m, theta, 20_000))[:, 0]
-    assert np.all(out.sum(-1) == m)  # flips are balanced: always m ones
-    distance = (out != np.asarray(reference)[0]).sum(-1) // 2
-    pmf = mallows_pmf(l, m, theta)
-    observed = np.bincount(distance, minlength=len(pmf))
-    keep = pmf * 20_000 >= 5  # chi-square needs enough expected counts per cell
-    expected = pmf[keep] * 20_000
-    obs = observed[keep]
-    expected = expected * obs.sum() / expected.sum()
-    assert scipy.stats.chisquare(obs, expected).pvalue > 1e-4
-    # and a wrong theta is rejected by the same test
-    wrong = mallows_pmf(l, m, 2 * theta + 0.2)[keep] * obs.sum() / mallows_pmf(
-        l, m, 2 * theta + 0.2)[keep].sum()
-    assert scipy.stats.chisquare(obs, wrong).pvalue < 1e-6
+def test_index_release_is_exact_at_the_runs_real_theta():
+    """Per-set output probability P(I | I0) = P(i) / #(sets at swap count i) must change by at
+    most exp(eps_group) between ANY two reference sets (s1 covers every pair). Computed from
+    the sampler's own exact pieces (integer proposal counts, rational acceptance exponents)."""
+    l, m = 8, 4
+    eps_group = _real_eps_group()
+    assert 1e-8 < eps_group < 1e-6  # ~1.8e-7: far below float32 resolution of the logits
+    theta = select.index_theta(eps_group, m, l)
+    law = exact.MallowsDistance(l, m, theta)
+    # log P(I | I0) = log proposal_count(i) - acceptance_exponent(i) - log Z - log #sets(i)
+    for i in range(law.max_distance + 1):
+        assert law.proposal_count(i) == math.comb(m, i) * math.comb(l - m, i)  # exactly
+    exponents = [law.acceptance_exponent(i) for i in range(law.max_distance + 1)]
+    assert max(exponents) - min(exponents) <= eps_group  # exact rational comparison
+    # The float32 law it replaces fails the same check: rounding, not theta, sets its ratios.
+    logits = _old_float32_distance_logits(l, m, float(theta))
+    per_set = [logits[i] - math.log(math.comb(m, i) * math.comb(l - m, i))
+               for i in range(min(m, l - m) + 1)]
+    assert max(per_set) - min(per_set) > 10 * float(eps_group)
 
 
-def test_index_release_log_probability_ratio_is_at_most_epsilon_on_a_tiny_domain():
-    """Exhaustive over a 6-coordinate group with m = 2: every pair of top-m inputs (any
-    neighbouring datasets can move the top set arbitrarily) and every output set."""
-    l, m, eps = 6, 2, 0.7
-    theta = float(select.index_theta(eps, m, l))
-    sets = [np.isin(np.arange(l), c).astype(float) for c in itertools.combinations(range(l), m)]
-    # empirical output distribution of the sampler, for one reference, matches exp(-theta d)
-    ref = jnp.asarray(sets[0])[None]
-    out = np.asarray(_sample(jax.random.key(1), ref, m, theta, 60_000))[:, 0]
-    codes = [tuple(np.flatnonzero(o)) for o in out]
-    counts = np.array([codes.count(tuple(np.flatnonzero(s))) for s in sets])
-    logp = np.array([-theta * np.sum(s != sets[0]) for s in sets])
-    expected = np.exp(logp) / np.exp(logp).sum() * len(codes)
+def test_flips_are_uniform_over_the_sets_at_the_drawn_distance():
+    """Exhaustive over all 720 priority permutations of a 6-coordinate group: for every swap
+    count i, every set at distance 2i from the reference comes out equally often."""
+    l, m = 6, 2
+    reference = np.zeros(l, np.float32)
+    reference[[1, 4]] = 1.0  # not the first positions: ties must not favour an order
+    perms = np.array(list(itertools.permutations(range(l))), np.int32)
+    flip = jax.jit(jax.vmap(lambda p, d: select.mallows_flip(
+        jnp.asarray(reference)[None], d[None], p[None])[0]))
+    for i in range(min(m, l - m) + 1):
+        out = np.asarray(flip(jnp.asarray(perms), jnp.full(len(perms), i, jnp.int32)))
+        assert np.all(out.sum(-1) == m)
+        assert np.all((out != reference).sum(-1) == 2 * i)
+        _, counts = np.unique(out, axis=0, return_counts=True)
+        assert len(counts) == math.comb(m, i) * math.comb(l - m, i)
+        assert np.all(counts == counts[0])
+
+
+def _gip_stage(group_size, k, target_epsilon, total_steps=1, index_fraction=0.5):
+    stage = stages.select.gip(group_size=group_size, k_start=k, k_end=k,
+                              index_fraction=index_fraction)
+    info = stages.StageInfo(total_steps=total_steps, steps_per_epoch=1, expected_batch_size=4,
+                            dataset_size=40, target_epsilon=target_epsilon,
+                            param_shapes={"w": jax.ShapeDtypeStruct((group_size,), jnp.float32)})
+    return stage.build(stage, info)
+
+
+def test_gip_index_release_law_on_a_tiny_domain():
+    """The built stage end to end (host draws + the jitted apply) on a 6-coordinate group with
+    m = 2 at theta ~ 0.3: the output sets follow exp(-theta d(I, I0)) / Z (chi-square over all
+    15 sets), and the worst log-probability ratio over all reference pairs is eps_group."""
+    l, m, n = 6, 2, 20_000
+    built = _gip_stage(l, m / l, target_epsilon=2.4)  # eps_group = 0.5 * 2.4 = 1.2
+    eps_group = built.options["eps_index_per_group"]
+    theta = float(select.index_theta(Fraction(eps_group), m, l))
+    values = jnp.asarray([0.1, 3.0, -0.2, 0.05, -2.0, 0.3])  # top-2 by magnitude: {1, 4}
+    rng = np.random.default_rng()
+    drawn = [built.host_inputs(0, rng) for _ in range(n)]
+    stacked = jax.tree.map(lambda *xs: jnp.asarray(np.stack(xs)), *drawn)
+    apply = jax.jit(jax.vmap(lambda d: built.apply(
+        {"w": values}, {}, stages.StepContext(params=None, step=jnp.asarray(0),
+                                              key=jax.random.key(0), host_inputs=d))[1]["mask"]))
+    out = np.asarray(apply(stacked)["w"])
+    sets = [np.isin(np.arange(l), c).astype(np.float32)
+            for c in itertools.combinations(range(l), m)]
+    reference = sets[[tuple(np.flatnonzero(s)) for s in sets].index((1, 4))]
+    counts = np.array([np.sum(np.all(out == s, axis=1)) for s in sets])
+    assert counts.sum() == n
+    logp = np.array([-theta * np.sum(s != reference) for s in sets])
+    expected = np.exp(logp) / np.exp(logp).sum() * n
     assert scipy.stats.chisquare(counts, expected).pvalue > 1e-4
+    wrong = np.exp(2 * logp) / np.exp(2 * logp).sum() * n  # twice theta: rejected
+    assert scipy.stats.chisquare(counts, wrong).pvalue < 1e-6
 
-    def log_prob(output, reference):
-        z = sum(math.exp(-theta * np.sum(s != reference)) for s in sets)
-        return -theta * np.sum(output != reference) - math.log(z)
+    def log_prob(output, ref):
+        z = sum(math.exp(-theta * np.sum(s != ref)) for s in sets)
+        return -theta * np.sum(output != ref) - math.log(z)
 
     worst = max(abs(log_prob(o, a) - log_prob(o, b)) for o in sets for a in sets for b in sets)
-    assert worst <= eps + 1e-9
-    # a theta that ignores the index sensitivity would break the claim
-    theta_wrong = eps / m
-    assert theta_wrong * 2 * m > eps
+    assert worst <= eps_group + 1e-12
+
+
+def test_gip_host_draws_depend_only_on_public_inputs_and_the_seed():
+    built = _gip_stage(8, 0.5, target_epsilon=3.0, total_steps=10)
+    one = built.host_inputs(3, np.random.default_rng([7, 3]))
+    two = built.host_inputs(3, np.random.default_rng([7, 3]))
+    jax.tree.map(np.testing.assert_array_equal, one, two)
+    assert int(one["m"]) == 4 and sorted(one["priority"][0]) == list(range(8))
 
 
 def test_k_schedules():
@@ -95,8 +150,9 @@ def test_gip_index_cost_shows_in_the_ledger():
     assert gip.noise_multiplier < 1.005 * base.noise_multiplier  # the old way gave 1.015
     assert gip.epsilon_after(100) <= 2.0 and 2.0 - gip.epsilon_after(100) < 1e-3
     # the Gaussian part alone at GIP's sigma stays below the target: the rest is the indices
-    alone = accounting.epsilon_of(base.run_event(100).__class__(
-        base.step_event(gip.noise_multiplier), 100), budget)
+    ledger = gip.ledger(100)
+    assert [type(m.event).__name__ for m in ledger][1:] == ["PureDpEvent"]
+    alone = accounting.epsilon_of(accounting.ledger_event(ledger[:1]), budget)
     assert alone < gip.epsilon_after(100)
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -89,6 +90,20 @@ def versions(packages=PACKAGES) -> dict:
         except metadata.PackageNotFoundError:
             out[name] = None
     return out
+
+
+def tree_sha256(tree) -> str:
+    """sha256 over every leaf of a pytree of arrays (path, dtype, shape and bytes, in
+    jax.tree order): a bit-exact fingerprint of a model's parameters."""
+    import jax  # imported here: records is otherwise a plain-Python module
+    import numpy as np
+
+    digest = hashlib.sha256()
+    for path, leaf in jax.tree_util.tree_leaves_with_path(jax.device_get(tree)):
+        leaf = np.ascontiguousarray(leaf)
+        digest.update(f"{jax.tree_util.keystr(path)}|{leaf.dtype}|{leaf.shape}|".encode())
+        digest.update(leaf.tobytes())
+    return digest.hexdigest()
 
 
 def git_commit() -> str | None:

@@ -457,6 +457,7 @@ def train(workdir: str | Path, config: Optional[TrainConfig] = None,
         ema_decay=config.ema_decay,
         validation_accuracy=best["validation_accuracy"], best_step=best["step"],
         test_accuracy=test_acc, wall_time_s=time.time() - wall_start,
+        final_params_sha256=records.tree_sha256(state.params),
         resumed_from_steps=resumed_from, nonfinite_examples=nonfinite_total,
         fidelity=None if not config.fidelity_every_steps else dict(
             every_steps=config.fidelity_every_steps, samples=len(fidelity["cosine"]),

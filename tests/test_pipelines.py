@@ -1,5 +1,7 @@
 """Every committed pipeline parses, validates, and trains end to end on a small real dataset."""
 
+import json
+import os
 from pathlib import Path
 
 import pytest
@@ -9,7 +11,7 @@ from dp_accounting.pld import common as pld_common
 from dp_accounting.pld import pld_privacy_accountant
 from dp_accounting.pld import privacy_loss_distribution as pld_lib
 
-from dpbench import main, train
+from dpbench import main, records, train
 from tests.conftest import REPO_ROOT
 
 PIPELINES = sorted(p.name for p in (REPO_ROOT / "pipelines").glob("*.gin"))
@@ -17,6 +19,29 @@ PIPELINES = sorted(p.name for p in (REPO_ROOT / "pipelines").glob("*.gin"))
 
 def test_there_are_pipelines():
     assert "dpsgd.gin" in PIPELINES
+
+
+GOLDEN = REPO_ROOT / "tests" / "golden_pipelines.json"
+GOLDEN_PACKAGES = ("jax", "jaxlib", "numpy", "flax", "optax", "dp-accounting", "scipy")
+
+
+def check_golden(key: str, record: dict) -> None:
+    """Sigma, epsilon and the final parameters' hash equal, bit for bit, what main computed
+    when the golden file was written (before the compiler redesign, issue 16). Set
+    DPBENCH_WRITE_GOLDEN=1 to rewrite it, only for a change meant to alter the numbers."""
+    got = {k: record[k] for k in ("noise_multiplier", "epsilon", "final_params_sha256")}
+    versions = {k: v for k, v in records.versions(GOLDEN_PACKAGES).items()}
+    if os.environ.get("DPBENCH_WRITE_GOLDEN"):
+        golden = json.loads(GOLDEN.read_text()) if GOLDEN.exists() else {"runs": {}}
+        golden["versions"] = versions
+        golden["runs"][key] = got
+        GOLDEN.write_text(json.dumps(golden, indent=2, sort_keys=True) + "\n")
+        return
+    golden = json.loads(GOLDEN.read_text())
+    assert versions == golden["versions"], (
+        "the numerical stack differs from the golden file's; install with tools/install.sh "
+        "(which pins tools/constraints.txt)")
+    assert got == golden["runs"][key]
 
 
 def rebuild_epsilon(statement: dict) -> float:
@@ -82,6 +107,7 @@ def test_pipeline_trains_on_digits(pipeline, tmp_path):
     assert record["epsilon"] <= record["target_epsilon"]
     assert record["test_accuracy"] > 0.2
     check_statement(record)
+    check_golden(pipeline, record)
 
 
 @pytest.mark.parametrize("prune", ["synflow", "dp_snip"])
@@ -92,6 +118,7 @@ def test_dpssgd_prune_variants_by_binding(prune, tmp_path):
     record = train.train(tmp_path / "run", gin_files=files)
     assert record["stages"][1]["name"] == f"prune.{prune}"
     check_statement(record)
+    check_golden(f"dpssgd.gin+{prune}", record)
     once = [m["source"] for m in record["privacy_statement"]["mechanisms"]
             if m["schedule"] == "once before training"]
     assert once == (["prune.dp_snip"] if prune == "dp_snip" else [])

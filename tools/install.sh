@@ -15,7 +15,10 @@ PY="${PYTHON:-python3}"
 if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
-.venv/bin/python -m pip install -q --upgrade pip 2>&1 | grep -v "^WARNING: Location" || true
-.venv/bin/python -m pip install -q -e ".${extras}" 2>&1 | grep -v "^WARNING: Location" || true
+# pip's own failures stop the script (pipefail); only grep's "nothing left to print" is ignored.
+quiet_pip() { .venv/bin/python -m pip "$@" 2>&1 | { grep -v "^WARNING: Location" || true; }; }
+quiet_pip install -q --upgrade pip
+# Exact versions from tools/constraints.txt: results (and the golden test) are bit-reproducible.
+quiet_pip install -q -c tools/constraints.txt -e ".${extras}"
 .venv/bin/python -c "import dpbench, jax, dp_accounting, gin, optax, flax" \
   || { echo "install.sh: dpbench did not install" >&2; exit 1; }

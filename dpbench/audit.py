@@ -33,9 +33,8 @@ import json
 import math
 import sys
 import time
-from typing import Optional, Sequence
+from typing import NamedTuple, Optional, Sequence
 
-import gin
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -43,7 +42,7 @@ import scipy.stats
 from absl import app, flags, logging
 from dp_accounting import dp_event
 
-from dpbench import accounting, compiler, data, models, records, sampling, sharding
+from dpbench import accounting, compiler, config, data, models, records, sampling, sharding
 from dpbench.stages.base import Stage
 
 AUDIT_BINDINGS = (
@@ -157,6 +156,68 @@ def _canary_setup(num_public: int, num_real: int, seed: int):
     return images, labels, public, dataset.num_classes
 
 
+class _Canary(NamedTuple):
+    """The audit's data: real examples, and the canary (last example) with its label."""
+
+    images: np.ndarray
+    labels: np.ndarray
+    public: np.ndarray
+    num_classes: int
+    model: object
+    params: object
+    label: int
+
+
+def _canary_problem(num_public: int, num_real: int, seed: int, canary_scale: float):
+    images, labels, public, num_classes = _canary_setup(num_public, num_real, seed)
+    canary = np.zeros((1,) + images.shape[1:], np.float32)
+    canary[0, 0, 0, :] = canary_scale
+    model = models.make_model(num_classes, name="logistic")
+    params = model.init(jax.random.key(seed), jnp.zeros((1,) + images.shape[1:], jnp.float32))
+    # The canary's label is its least likely class, so its loss is far from saturated and its
+    # gradient is large (a public choice: it depends on the initial parameters only).
+    label = int(jnp.argmin(model.apply(params, jnp.asarray(canary))[0]))
+    return _Canary(np.concatenate([images, canary]),
+                   np.concatenate([labels, np.full(1, label, np.int32)]), public, num_classes,
+                   model, params, label)
+
+
+def _canary_direction(loss_fn, params, canary: _Canary):
+    """The canary's gradient on the pixel-0 weights (no other example's gradient has a
+    component there), as a unit vector over the whole parameter tree (host arrays)."""
+    grad = jax.grad(loss_fn)(params, jnp.asarray(canary.images[-1]), jnp.int32(canary.label))
+    direction = jax.tree.map(lambda p: np.zeros_like(np.asarray(p)), params)
+    path = _pixel_weights_path(direction)
+    row = np.asarray(_get(grad, path))[0]
+    _get(direction, path)[0] = row / np.linalg.norm(row)
+    return direction
+
+
+def _trial_scores(compiled, state0, batches: dict, direction, trials: int, seed: int):
+    """One step per trial from state0 with a fresh key, with (True) or without (False) the
+    canary; the score is the released sum projected on the canary's direction."""
+    params0 = jax.tree.map(np.asarray, jax.device_get(state0.params))
+    expected_batch = float(compiled.sampler.expected_batch_size)
+    copy = jax.jit(lambda s: jax.tree.map(lambda x: jnp.array(x, copy=True), s))
+    key_root = jax.random.key(seed + 2)
+    scores = {True: [], False: []}
+    membership = np.random.default_rng(seed).permutation(np.arange(trials) % 2 == 0)
+    for trial, include in enumerate(membership):
+        state = copy(state0)._replace(key=jax.random.fold_in(key_root, trial))
+        batch = batches[bool(include)]
+        inputs = compiled.stage_inputs(0, stream=trial)  # fresh public host randomness (GIP)
+        if inputs:
+            batch = dict(batch, **sharding.put_batch({sharding.STAGE_INPUTS: inputs},
+                                                     compiled.mesh))
+        new_params = jax.device_get(compiled.step(state, batch)[0].params)
+        # SGD with learning rate 1: params_1 = params_0 - released / B
+        scores[bool(include)].append(-expected_batch * sum(
+            float(np.sum((np.asarray(a) - b) * d)) for a, b, d in zip(
+                jax.tree.leaves(new_params), jax.tree.leaves(params0),
+                jax.tree.leaves(direction))))
+    return np.array(scores[True]), np.array(scores[False])
+
+
 def run_audit(stages: Sequence[Stage], *, claimed_epsilon: float = 3.0, delta: float = 1e-5,
               trials: int = 2000, num_real: int = 255, num_public: int = 512,
               micro_batch_size: int = 64,
@@ -164,81 +225,29 @@ def run_audit(stages: Sequence[Stage], *, claimed_epsilon: float = 3.0, delta: f
               accountant: str = "pld") -> AuditResult:
     """Audits one step of ``stages`` (see the module docstring); returns the bounds."""
     start = time.time()
-    images, labels, public, num_classes = _canary_setup(num_public, num_real, seed)
-    shape = images.shape[1:]
-    canary = np.zeros((1,) + shape, np.float32)
-    canary[0, 0, 0, :] = canary_scale
-    model = models.make_model(num_classes, name="logistic")
-    loss_fn = models.cross_entropy_loss(model)
-
-    def init_params(key):
-        return model.init(key, jnp.zeros((1,) + shape, jnp.float32))
-
-    params = init_params(jax.random.key(seed))
-    # The canary's label is its least likely class, so its loss is far from saturated and its
-    # gradient is large (a public choice: it depends on the initial parameters only).
-    canary_label = int(jnp.argmin(model.apply(params, jnp.asarray(canary))[0]))
-    all_images = np.concatenate([images, canary])
-    all_labels = np.concatenate([labels, np.full(1, canary_label, np.int32)])
-    n = len(all_labels)  # the canary is example n - 1
-
+    canary = _canary_problem(num_public, num_real, seed, canary_scale)
+    shape, n = canary.images.shape[1:], len(canary.labels)  # the canary is example n - 1
+    loss_fn = models.cross_entropy_loss(canary.model)
     sampler = sampling.PoissonSampler(n, n, seed=seed, pad_multiple=micro_batch_size)
-    budget = accounting.Budget(epsilon=claimed_epsilon, delta=delta, accountant=accountant)
-    mesh = sharding.make_mesh()
     compiled = compiler.compile_pipeline(
-        stages, loss_fn=loss_fn, init_params=init_params, example_shape=shape,
-        sampler=sampler, budget=budget, total_steps=1, steps_per_epoch=1,
-        micro_batch_size=micro_batch_size, mesh=mesh, public_images=public,
-        num_classes=num_classes, linear_apply=model.apply)  # logistic: already linear
+        stages, loss_fn=loss_fn, example_shape=shape, sampler=sampler,
+        init_params=lambda key: canary.model.init(key, jnp.zeros((1,) + shape, jnp.float32)),
+        budget=accounting.Budget(epsilon=claimed_epsilon, delta=delta, accountant=accountant),
+        total_steps=1, steps_per_epoch=1, micro_batch_size=micro_batch_size,
+        mesh=sharding.make_mesh(), public_images=canary.public, num_classes=canary.num_classes,
+        linear_apply=canary.model.apply)  # logistic: already linear
     claimed = compiled.epsilon_after(1)
-    padded = sampler.padded_batch_size
-    indices = np.zeros(padded, np.int64)
+    indices = np.zeros(sampler.padded_batch_size, np.int64)
     indices[:n] = np.arange(n)
-    mask_in = np.zeros(padded, bool)
-    mask_in[:n] = True
-    mask_out = mask_in.copy()
-    mask_out[n - 1] = False
-
-    def batch(mask):
-        return sharding.put_batch(compiled.batch_layout(
-            {"image": all_images[indices], "label": all_labels[indices], "mask": mask}), mesh)
-
-    batch_in, batch_out = batch(mask_in), batch(mask_out)
-    state0 = compiled.init_state(params, jax.random.key(seed + 1),
-                                 batch_out if compiled.needs_release_batch else None)
-    params0 = jax.tree.map(np.asarray, jax.device_get(state0.params))
-    # The canary's direction: its gradient on the pixel-0 weights (no other example's gradient
-    # has a component there), as a unit vector over the whole parameter tree.
-    canary_grad = jax.grad(loss_fn)(state0.params, jnp.asarray(canary[0]),
-                                 jnp.int32(canary_label))
-    direction = jax.tree.map(np.zeros_like, params0)
-    kernel_path = _pixel_weights_path(params0)
-    flat = _get(canary_grad, kernel_path)
-    row = np.asarray(flat)[0]
-    row = row / np.linalg.norm(row)
-    _get(direction, kernel_path)[0] = row
-    expected_batch = float(sampler.expected_batch_size)
-
-    copy = jax.jit(lambda s: jax.tree.map(lambda x: jnp.array(x, copy=True), s))
-    key_root = jax.random.key(seed + 2)
-    scores = {True: [], False: []}
-    rng = np.random.default_rng(seed)
-    membership = rng.permutation(np.arange(trials) % 2 == 0)
-    for trial, include in enumerate(membership):
-        state = copy(state0)._replace(key=jax.random.fold_in(key_root, trial))
-        batch = batch_in if include else batch_out
-        inputs = compiled.stage_inputs(0, stream=trial)  # fresh public host randomness (GIP)
-        if inputs:
-            batch = dict(batch, **sharding.put_batch({sharding.STAGE_INPUTS: inputs}, mesh))
-        new_state, _ = compiled.step(state, batch)
-        new_params = jax.device_get(new_state.params)
-        # SGD with learning rate 1: params_1 = params_0 - released / B
-        score = -expected_batch * sum(
-            float(np.sum((np.asarray(a) - b) * d)) for a, b, d in zip(
-                jax.tree.leaves(new_params), jax.tree.leaves(params0),
-                jax.tree.leaves(direction)))
-        scores[bool(include)].append(score)
-    scores_in, scores_out = np.array(scores[True]), np.array(scores[False])
+    masks = {True: np.arange(sampler.padded_batch_size) < n}
+    masks[False] = masks[True] & (np.arange(sampler.padded_batch_size) != n - 1)
+    batches = {k: sharding.put_batch(compiled.host_batch(
+        canary.images[indices], canary.labels[indices], m, step=None), compiled.mesh)
+        for k, m in masks.items()}
+    state0 = compiled.init_state(canary.params, jax.random.key(seed + 1),
+                                 batches[False] if compiled.needs_release_batch else None)
+    direction = _canary_direction(loss_fn, state0.params, canary)
+    scores_in, scores_out = _trial_scores(compiled, state0, batches, direction, trials, seed)
     epsilon_lb = nonparametric_epsilon_lb(scores_in, scores_out, delta, alpha)
     param_eps, param_lb, shift, std = parametric_check(scores_in, scores_out, delta, alpha)
     reasons = []
@@ -287,16 +296,14 @@ def define_flags() -> None:
 def audit_main(argv) -> None:
     """``dpbench audit --gin_file=pipelines/X.gin [--gin_bindings=...]``."""
     del argv
-    from dpbench import main as cli  # the gin parsing with clear errors lives there
-    from dpbench.train import pipeline_stages
     if not FLAGS.gin_file:
         raise app.UsageError("give --gin_file, e.g. pipelines/dpsgd.gin")
     try:
-        cli.parse_config(FLAGS.gin_file, list(FLAGS.gin_bindings) + list(AUDIT_BINDINGS))
-        name, stages = pipeline_stages()
+        config.parse_config(FLAGS.gin_file, list(FLAGS.gin_bindings) + list(AUDIT_BINDINGS))
+        name, stages = config.pipeline_stages()
         result = run_audit(stages, claimed_epsilon=FLAGS.claimed_epsilon,
                            delta=FLAGS.audit_delta, trials=FLAGS.trials, seed=FLAGS.audit_seed)
-    except (cli.ConfigError, compiler.PipelineError, accounting.BudgetError, ValueError) as e:
+    except (config.ConfigError, compiler.PipelineError, accounting.BudgetError, ValueError) as e:
         print(f"dpbench: error: {e}", file=sys.stderr)
         sys.exit(2)
     report = dict(pipeline=name, gin_files=list(FLAGS.gin_file),
@@ -319,5 +326,4 @@ def run() -> None:
 
 
 if __name__ == "__main__":
-    from dpbench import main as _cli  # noqa: F401  (defines --gin_file/--gin_bindings)
     run()

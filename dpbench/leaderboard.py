@@ -408,7 +408,7 @@ def main(argv=None) -> int:
     parser.add_argument("--audits", default="leaderboard/audits")
     parser.add_argument("--out", default="leaderboard")
     parser.add_argument("--perf", default="leaderboard/PERF.json",
-                        help="the speed benchmark's JSON (python -m dpbench.bench --out=X.md)")
+                        help="the speed benchmark's JSON (python -m benchmarks.speed --out=X.md)")
     args = parser.parse_args(argv)
     try:
         table = build(args.records, args.out, args.audits, args.perf)

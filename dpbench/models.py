@@ -3,6 +3,8 @@ GroupNorm is the only normalization offered."""
 
 from __future__ import annotations
 
+import dataclasses
+
 from typing import Sequence
 
 import flax.linen as nn
@@ -123,11 +125,10 @@ class Logistic(nn.Module):
         return nn.Dense(self.num_classes)(x.reshape(x.shape[:-3] + (-1,)))
 
 
-@gin.configurable("model")
-def make_model(num_classes: int, name: str = gin.REQUIRED, activation: str = "tanh",
+def make_model(num_classes: int, name: str, activation: str = "tanh",
                hidden: Sequence[int] = (256,), group_norm_groups: int = 0,
                conv_impl: str = "patches", center_inputs: bool = True) -> nn.Module:
-    """Builds the model named ``model.name``; raises ValueError naming the known models."""
+    """Builds the model ``name``; raises ValueError naming the known models."""
     if activation not in ACTIVATIONS:
         raise ValueError(f"model.activation must be one of {sorted(ACTIVATIONS)}, "
                          f"got {activation!r}")
@@ -140,9 +141,25 @@ def make_model(num_classes: int, name: str = gin.REQUIRED, activation: str = "ta
     raise ValueError(f"unknown model {name!r}; known: {', '.join(MODELS)} (set model.name)")
 
 
-def linearized(num_classes: int) -> nn.Module:
-    """The configured model with identity activations (same parameters), for SynFlow."""
-    return make_model(num_classes, activation="identity")
+@gin.configurable("model")
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """The model axis of a run (bind as ``model.name = 'tanh_cnn'`` etc.); its name is passed
+    on explicitly (run records, checkpoints), never read back from gin."""
+
+    name: str = gin.REQUIRED
+    activation: str = "tanh"
+    hidden: Sequence[int] = (256,)
+    group_norm_groups: int = 0
+    conv_impl: str = "patches"
+    center_inputs: bool = True
+
+    def build(self, num_classes: int) -> nn.Module:
+        return make_model(num_classes, **dataclasses.asdict(self))
+
+    def linearized(self, num_classes: int) -> nn.Module:
+        """The same model with identity activations (same parameters), for SynFlow."""
+        return make_model(num_classes, **dict(dataclasses.asdict(self), activation="identity"))
 
 
 def cross_entropy_loss(model: nn.Module):

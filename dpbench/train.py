@@ -10,7 +10,7 @@ import math
 import secrets
 import time
 from pathlib import Path
-from typing import Callable, Optional, Sequence
+from typing import Any, Callable, NamedTuple, Optional, Sequence
 
 import gin
 import jax
@@ -20,60 +20,8 @@ from absl import logging
 
 from dpbench import (accounting, checkpoint, compiler, data, models, records, sampling,
                      sharding)
+from dpbench.config import TrainConfig, pipeline_stages  # noqa: F401  (train.TrainConfig too)
 from dpbench.stages.base import Stage
-
-
-@gin.configurable("pipeline")
-def pipeline_stages(stages: Sequence[Stage] = gin.REQUIRED, name: str = "unnamed") -> tuple:
-    """The pipeline's stages, as listed in its gin file (``pipeline.stages = %STAGES``)."""
-    return name, tuple(stages)
-
-
-@gin.configurable("train")
-@dataclasses.dataclass(frozen=True)
-class TrainConfig:
-    """Run-level settings (bind as ``train.batch_size = 2048`` etc.).
-
-    batch_size is the EXPECTED batch size B; the sampling rate is q = B / N.
-    seed=None draws every key from the OS and writes none of them anywhere (for a run that is
-    meant to be released); an integer seed makes a benchmark run reproducible.
-    noise_multiplier=None calibrates sigma to the budget. A given number is used as is and the
-    run stops at the last step whose epsilon fits the budget (the record says why), unless
-    enforce_budget=False (a non-private baseline; the record then says the budget was ignored).
-    A checkpoint (with the privacy ledger) is written every checkpoint_every_steps steps and at
-    the end; the newest checkpoints_to_keep are kept.
-    fidelity_every_steps > 0 records, every that many steps, the cosine between the released
-    update and the clean mean of clipped gradients and the noise-to-signal norm ratio: they read
-    private data, so the record lists them as NON-PRIVATE benchmark output (off by default).
-    """
-
-    batch_size: int = 256
-    epochs: float = 30.0
-    micro_batch_size: int = 64
-    seed: Optional[int] = 0
-    ema_decay: float = 0.0
-    eval_every_steps: int = 0  # 0: once per epoch
-    log_every_steps: int = 50
-    eval_batch_size: int = 1000
-    noise_multiplier: Optional[float] = None
-    enforce_budget: bool = True
-    checkpoint_every_steps: int = 200
-    checkpoints_to_keep: int = 2
-    fidelity_every_steps: int = 0
-
-    def validate(self):
-        if not isinstance(self.batch_size, int) or self.batch_size <= 0:
-            raise ValueError(f"train.batch_size must be a positive integer, got "
-                             f"{self.batch_size!r}")
-        if not isinstance(self.epochs, (int, float)) or not self.epochs > 0:
-            raise ValueError(f"train.epochs must be > 0, got {self.epochs!r}")
-        if not isinstance(self.fidelity_every_steps, int) or self.fidelity_every_steps < 0:
-            raise ValueError(f"train.fidelity_every_steps must be an integer >= 0 (0: off), got "
-                             f"{self.fidelity_every_steps!r}")
-        for name in ("checkpoint_every_steps", "log_every_steps", "checkpoints_to_keep"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value <= 0:
-                raise ValueError(f"train.{name} must be a positive integer, got {value!r}")
 
 
 def _evaluate(apply_fn, params, split: data.Split, batch_size: int) -> float:
@@ -182,7 +130,7 @@ def run_settings(*, pipeline_name, compiled, dataset, config: TrainConfig, budge
     change to any of them is refused."""
     settings = dict(
         pipeline=pipeline_name,
-        stages=[dict(name=s.name, **s.options) for s in compiled.stages],
+        stages=compiled.plan.facts(),
         dataset=dataset.name, dataset_size=len(dataset.train),
         validation_size=len(dataset.validation),
         public_size=0 if dataset.public is None else len(dataset.public),
@@ -216,28 +164,32 @@ class Run:
     steps_per_epoch: float
     compile_s: float
 
+    def host_batch(self, step: int, stage_inputs: bool = True) -> dict:
+        """The sampler's batch for ``step`` (and the stages' host randomness), on the mesh."""
+        drawn = self.sampler.sample(step)
+        return sharding.put_batch(self.compiled.host_batch(
+            self.dataset.train.images[drawn.indices], self.dataset.train.labels[drawn.indices],
+            drawn.mask, step if stage_inputs else None), self.mesh)
+
     def initial_state(self):
         """The step's state at step 0, after any one-off accounted release before training
         (DP-SNIP), which runs on a batch of the run's own sampler."""
         release_batch = None
         if self.compiled.needs_release_batch:
-            pre = self.sampler.sample(sampling.PRE_TRAINING_STEP)
-            release_batch = sharding.put_batch(self.compiled.batch_layout({
-                "image": self.dataset.train.images[pre.indices],
-                "label": self.dataset.train.labels[pre.indices], "mask": pre.mask}), self.mesh)
+            release_batch = self.host_batch(sampling.PRE_TRAINING_STEP, stage_inputs=False)
         return self.compiled.init_state(self.init_params(self.params_key), self.run_key,
                                         release_batch)
 
 
-def build_run(stages: Sequence[Stage], config: TrainConfig, budget: accounting.Budget) -> Run:
+def build_run(stages: Sequence[Stage], config: TrainConfig, budget: accounting.Budget,
+              model_config: Optional[models.ModelConfig] = None) -> Run:
     """Loads the configured dataset and model, derives the keys from config.seed (from the OS
     when it is None) and compiles the pipeline for the mesh over all devices."""
     dataset = data.load_dataset()
     n = len(dataset.train)
     budget.validate(n)
-    model_name = gin.query_parameter("model.name")
-    model = models.make_model(dataset.num_classes)
-    loss_fn = models.cross_entropy_loss(model)
+    model_config = models.ModelConfig() if model_config is None else model_config
+    model = model_config.build(dataset.num_classes)
     example_shape = dataset.input_shape
 
     seed = config.seed if config.seed is not None else secrets.randbits(63)
@@ -254,19 +206,185 @@ def build_run(stages: Sequence[Stage], config: TrainConfig, budget: accounting.B
 
     t0 = time.time()
     compiled = compiler.compile_pipeline(
-        stages, loss_fn=loss_fn, init_params=init_params, example_shape=example_shape,
-        sampler=sampler, budget=budget, total_steps=total_steps,
+        stages, loss_fn=models.cross_entropy_loss(model), init_params=init_params,
+        example_shape=example_shape, sampler=sampler, budget=budget, total_steps=total_steps,
         steps_per_epoch=max(int(round(steps_per_epoch)), 1),
         micro_batch_size=config.micro_batch_size, mesh=mesh, ema_decay=config.ema_decay,
         noise_multiplier=config.noise_multiplier,
         public_images=None if dataset.public is None else dataset.public.images,
         num_classes=dataset.num_classes,
-        linear_apply=models.linearized(dataset.num_classes).apply,
+        linear_apply=model_config.linearized(dataset.num_classes).apply,
         fidelity_diagnostics=config.fidelity_every_steps > 0, host_seed=int(seeds[3]))
-    return Run(dataset=dataset, model=model, model_name=model_name, sampler=sampler, mesh=mesh,
-               compiled=compiled, params_key=params_key, run_key=run_key,
+    return Run(dataset=dataset, model=model, model_name=model_config.name, sampler=sampler,
+               mesh=mesh, compiled=compiled, params_key=params_key, run_key=run_key,
                init_params=init_params, total_steps=total_steps,
                steps_per_epoch=steps_per_epoch, compile_s=time.time() - t0)
+
+
+@dataclasses.dataclass
+class Progress:
+    """What the loop carries besides the TrainState: model selection, diagnostics, history.
+    All of it goes into every checkpoint's ledger, so a resumed run continues it exactly."""
+
+    best: dict                      # validation_accuracy, step, params (host arrays)
+    nonfinite_total: float = 0.0
+    fidelity: dict = dataclasses.field(
+        default_factory=lambda: {"cosine": [], "noise_to_signal": []})
+    resumed_from: list = dataclasses.field(default_factory=list)
+    interval_step_s: list = dataclasses.field(default_factory=list)  # s/step per log interval
+    last_saved: Optional[int] = None
+
+
+def _budget_stop(compiled, budget, config: TrainConfig) -> tuple:
+    """(the step the run ends at, why): all steps, or the last step within the budget when the
+    noise multiplier was given rather than calibrated."""
+    if not config.enforce_budget:
+        return compiled.total_steps, "completed all steps (budget NOT enforced: not a private run)"
+    end_step = compiled.steps_within_budget()
+    if end_step <= 0:
+        raise accounting.BudgetError(
+            f"noise multiplier {compiled.noise_multiplier} spends epsilon={budget.epsilon} "
+            "before the first step ends; raise train.noise_multiplier, leave it unset to "
+            "calibrate it, or set train.enforce_budget = False for a non-private baseline")
+    if end_step == compiled.total_steps:
+        return end_step, "completed all steps"
+    reason = (f"privacy budget reached: only {end_step} of {compiled.total_steps} steps fit in "
+              f"epsilon={budget.epsilon} with noise multiplier {compiled.noise_multiplier}")
+    logging.warning("%s; the run stops there", reason)
+    return end_step, reason
+
+
+def _restore_or_init(run: Run, ckpts, settings: dict, workdir: Path, config: TrainConfig):
+    """(state, progress): a fresh start, or the newest intact checkpoint of this workdir
+    (same settings required, its epsilon re-checked against the accountant)."""
+    latest = ckpts.latest_step()
+    if latest is None:
+        state = run.initial_state()
+        best = {"validation_accuracy": -1.0, "step": 0,
+                "params": checkpoint.to_host(state.params)}
+        return state, Progress(best=best)
+    ledger = ckpts.read_ledger(latest)
+    changed = checkpoint.changed_settings(ledger["settings"], settings)
+    if changed:
+        raise ResumeError(
+            f"{workdir} holds a run started with other settings; resuming it would change "
+            f"its privacy accounting or model. Changed: {'; '.join(changed)}. Restore "
+            "those settings, or pick a new --workdir")
+    compiled, replicated = run.compiled, sharding.replicated(run.mesh)
+    restored = ckpts.restore(latest, state_shapes=compiled.state_shapes,
+                             best_shapes=compiled.state_shapes.params, sharding=replicated)
+    state = restored.state
+    if config.seed is None:
+        # A release run never wrote its key: the rest of the run gets fresh OS randomness.
+        state = state._replace(key=jax.device_put(run.run_key, replicated))
+    epsilon_then = compiled.epsilon_after(latest)
+    if not math.isclose(epsilon_then, ledger["epsilon_spent"], rel_tol=1e-9):
+        raise ResumeError(f"the ledger of step {latest} says epsilon {ledger['epsilon_spent']} "
+                          f"was spent, the accountant now says {epsilon_then}; pick a new "
+                          "--workdir")
+    progress = Progress(
+        best={"validation_accuracy": ledger["best_validation_accuracy"],
+              "step": ledger["best_step"], "params": checkpoint.to_host(restored.best_params)},
+        nonfinite_total=float(ledger["nonfinite_examples"]), fidelity=ledger["fidelity"],
+        resumed_from=list(ledger["resumed_from"]) + [latest], last_saved=latest)
+    _truncate_metrics(workdir, latest)
+    logging.info("resuming %s from its checkpoint at step %d (epsilon spent %.4f)",
+                 workdir, latest, epsilon_then)
+    return state, progress
+
+
+def _save_checkpoint(ckpts, compiled, state, progress: Progress, settings: dict, done: int,
+                     epsilon: float, key_saved: bool) -> None:
+    ledger = dict(
+        format=1, step=done, settings=settings,
+        settings_sha256=checkpoint.settings_digest(settings), epsilon_spent=epsilon,
+        dp_event=accounting.event_to_json(compiled.run_event(done)),
+        best_validation_accuracy=progress.best["validation_accuracy"],
+        best_step=progress.best["step"], resumed_from=progress.resumed_from,
+        nonfinite_examples=progress.nonfinite_total, fidelity=progress.fidelity,
+        key_saved=key_saved)
+    ckpts.save(state, best_params=progress.best["params"],
+               ledger=json.loads(records.to_json(ledger)))
+    progress.last_saved = done
+
+
+class _Loop(NamedTuple):
+    """The loop's fixed context (see :func:`_train_loop`)."""
+
+    run: Run
+    config: TrainConfig
+    workdir: Path
+    ckpts: Any
+    settings: dict
+    eval_fn: Callable
+    wall_start: float
+
+
+def _maybe_evaluate(loop: _Loop, state, progress: Progress, done: int, end_step: int) -> None:
+    """Every eval interval and at the end: validation accuracy; the best params are kept."""
+    eval_every = loop.config.eval_every_steps or max(int(round(loop.run.steps_per_epoch)), 1)
+    if done % eval_every and done != end_step:
+        return
+    params = state.ema_params if loop.config.ema_decay > 0 else state.params
+    val_acc = _evaluate(loop.eval_fn, params, loop.run.dataset.validation,
+                        loop.config.eval_batch_size)
+    logging.info("step %d  validation accuracy %.4f", done, val_acc)
+    records.append_metrics(loop.workdir, dict(step=done, validation_accuracy=val_acc))
+    if val_acc > progress.best["validation_accuracy"]:
+        progress.best = {"validation_accuracy": val_acc, "step": done,
+                         "params": checkpoint.to_host(params)}
+
+
+def _record_fidelity(loop: _Loop, metrics, progress: Progress, done: int) -> None:
+    every = loop.config.fidelity_every_steps
+    if every and done % every == 0:
+        row = {name: float(metrics[name]) for name in ("fidelity_cosine", "noise_to_signal")}
+        progress.fidelity["cosine"].append(row["fidelity_cosine"])
+        progress.fidelity["noise_to_signal"].append(row["noise_to_signal"])
+        records.append_metrics(loop.workdir, dict(step=done, **row))
+
+
+def _train_loop(loop: _Loop, state, progress: Progress, start_step: int, end_step: int):
+    """Steps ``start_step .. end_step - 1`` with the periodic actions: fidelity, evaluation,
+    and (at log / checkpoint steps) the divergence check, the log line and the checkpoint.
+    Plain modulo tests: a periodic-actions library (clu) would add a dependency for this."""
+    run, config, compiled = loop.run, loop.config, loop.run.compiled
+    last_log_time, last_log_step = time.time(), start_step
+    nonfinite_device = jnp.zeros((), jnp.float32)
+    for step in range(start_step, end_step):
+        state, metrics = compiled.step(state, run.host_batch(step))
+        nonfinite_device = nonfinite_device + metrics["nonfinite_examples"]
+        done = step + 1
+        _record_fidelity(loop, metrics, progress, done)
+        _maybe_evaluate(loop, state, progress, done, end_step)
+        log_now = done % config.log_every_steps == 0 or done == end_step
+        save_now = done % config.checkpoint_every_steps == 0 or done == end_step
+        if not (log_now or save_now):
+            continue
+        jax.block_until_ready(state)
+        now, loss = time.time(), float(metrics["train_loss"])
+        progress.nonfinite_total += float(nonfinite_device)
+        nonfinite_device = jnp.zeros((), jnp.float32)
+        if (not math.isfinite(loss) or bool(metrics["all_nonfinite"])
+                or (save_now and not _params_finite(state.params))):
+            raise TrainingDiverged(
+                f"training diverged at step {done} (train loss {loss}); the last good "
+                f"checkpoint is step {progress.last_saved} in {loop.ckpts.directory}. Lower "
+                "optimize.optax.learning_rate and start a new --workdir")
+        epsilon = compiled.epsilon_after(done)
+        if log_now:
+            rate = (done - last_log_step) / max(now - last_log_time, 1e-9)
+            progress.interval_step_s.append(1.0 / rate)
+            last_log_time, last_log_step = now, done
+            logging.info("step %d/%d  %.2f steps/s  epsilon spent %.4f  loss %.4f",
+                         done, compiled.total_steps, rate, epsilon, loss)
+            records.append_metrics(loop.workdir, dict(
+                step=done, steps_per_s=rate, epsilon=epsilon, train_loss=loss,
+                nonfinite_examples=progress.nonfinite_total, wall_s=now - loop.wall_start))
+        if save_now:
+            _save_checkpoint(loop.ckpts, compiled, state, progress, loop.settings, done,
+                             epsilon, key_saved=config.seed is not None)
+    return state
 
 
 def train(workdir: str | Path, config: Optional[TrainConfig] = None,
@@ -278,8 +396,7 @@ def train(workdir: str | Path, config: Optional[TrainConfig] = None,
     checkpoint (same settings required); one holding a finished run is refused unless
     ``overwrite``.
     """
-    wall_start = time.time()
-    workdir = Path(workdir)
+    wall_start, workdir = time.time(), Path(workdir)
     config = TrainConfig() if config is None else config
     config.validate()
     budget = accounting.Budget() if budget is None else budget
@@ -287,200 +404,97 @@ def train(workdir: str | Path, config: Optional[TrainConfig] = None,
     compiler.validate_pipeline(stages)  # fail on a bad pipeline before loading any data
     prepare_workdir(workdir, overwrite)
     run = build_run(stages, config, budget)
-    dataset, model, sampler, compiled, mesh = (run.dataset, run.model, run.sampler,
-                                               run.compiled, run.mesh)
-    n, total_steps, steps_per_epoch = len(dataset.train), run.total_steps, run.steps_per_epoch
-    model_name, calibration_s = run.model_name, run.compile_s
+    compiled, sampler = run.compiled, run.sampler
     logging.info("pipeline %s: sigma=%.5f sensitivity=%g steps=%d q=%.5g padded batch=%d "
                  "(calibrated in %.1fs)", pipeline_name, compiled.noise_multiplier,
-                 compiled.sensitivity, total_steps, sampler.sampling_rate,
-                 sampler.padded_batch_size, calibration_s)
-
-    stop_reason = "completed all steps"
-    end_step = total_steps
-    if config.enforce_budget:
-        end_step = compiled.steps_within_budget()
-        if end_step <= 0:
-            raise accounting.BudgetError(
-                f"noise multiplier {compiled.noise_multiplier} spends epsilon="
-                f"{budget.epsilon} before the first step ends; raise train.noise_multiplier, "
-                "leave it unset to calibrate it, or set train.enforce_budget = False for a "
-                "non-private baseline")
-        if end_step < total_steps:
-            stop_reason = (f"privacy budget reached: only {end_step} of {total_steps} steps fit "
-                           f"in epsilon={budget.epsilon} with noise multiplier "
-                           f"{compiled.noise_multiplier}")
-            logging.warning("%s; the run stops there", stop_reason)
-    else:
-        stop_reason = "completed all steps (budget NOT enforced: not a private run)"
-
-    settings = run_settings(pipeline_name=pipeline_name, compiled=compiled, dataset=dataset,
-                            config=config, budget=budget, model_name=model_name)
+                 compiled.sensitivity, run.total_steps, sampler.sampling_rate,
+                 sampler.padded_batch_size, run.compile_s)
+    end_step, stop_reason = _budget_stop(compiled, budget, config)
+    settings = run_settings(pipeline_name=pipeline_name, compiled=compiled,
+                            dataset=run.dataset, config=config, budget=budget,
+                            model_name=run.model_name)
     records.atomic_write_text(workdir / "config.gin", gin.config_str())
     ckpts = checkpoint.RunCheckpoints(workdir / CHECKPOINTS,
                                       max_to_keep=config.checkpoints_to_keep,
                                       save_key=config.seed is not None)
-    replicated = sharding.replicated(mesh)
-    resumed_from = []
-    latest = ckpts.latest_step()
-    if latest is None:
-        state = run.initial_state()
-        best = {"validation_accuracy": -1.0, "step": 0,
-                "params": checkpoint.to_host(state.params)}
-        nonfinite_total = 0.0
-        fidelity = {"cosine": [], "noise_to_signal": []}
-    else:
-        ledger = ckpts.read_ledger(latest)
-        changed = checkpoint.changed_settings(ledger["settings"], settings)
-        if changed:
-            raise ResumeError(
-                f"{workdir} holds a run started with other settings; resuming it would change "
-                f"its privacy accounting or model. Changed: {'; '.join(changed)}. Restore "
-                "those settings, or pick a new --workdir")
-        restored = ckpts.restore(latest, state_shapes=compiled.state_shapes,
-                                 best_shapes=compiled.state_shapes.params, sharding=replicated)
-        state = restored.state
-        if config.seed is None:
-            # A release run never wrote its key: the rest of the run gets fresh OS randomness.
-            state = state._replace(key=jax.device_put(run.run_key, replicated))
-        epsilon_then = compiled.epsilon_after(latest)
-        if not math.isclose(epsilon_then, ledger["epsilon_spent"], rel_tol=1e-9):
-            raise ResumeError(f"the ledger of step {latest} says epsilon "
-                              f"{ledger['epsilon_spent']} was spent, the accountant now says "
-                              f"{epsilon_then}; pick a new --workdir")
-        best = {"validation_accuracy": ledger["best_validation_accuracy"],
-                "step": ledger["best_step"],
-                "params": checkpoint.to_host(restored.best_params)}
-        nonfinite_total = float(ledger["nonfinite_examples"])
-        fidelity = ledger["fidelity"]
-        resumed_from = list(ledger["resumed_from"]) + [latest]
-        _truncate_metrics(workdir, latest)
-        logging.info("resuming %s from its checkpoint at step %d (epsilon spent %.4f)",
-                     workdir, latest, epsilon_then)
+    state, progress = _restore_or_init(run, ckpts, settings, workdir, config)
     start_step = int(jax.device_get(state.step))
-    last_saved = latest
-
-    def save_checkpoint(done: int, epsilon: float) -> None:
-        ledger = dict(
-            format=1, step=done, settings=settings,
-            settings_sha256=checkpoint.settings_digest(settings), epsilon_spent=epsilon,
-            dp_event=accounting.event_to_json(compiled.run_event(done)),
-            best_validation_accuracy=best["validation_accuracy"], best_step=best["step"],
-            resumed_from=resumed_from, nonfinite_examples=nonfinite_total,
-            fidelity=fidelity, key_saved=config.seed is not None)
-        ckpts.save(state, best_params=best["params"],
-                   ledger=json.loads(records.to_json(ledger)))
-
-    eval_fn = jax.jit(lambda p, x, y: jnp.sum(jnp.argmax(model.apply(p, x), -1) == y))
-    eval_every = config.eval_every_steps or max(int(round(steps_per_epoch)), 1)
-    interval_step_s = []  # seconds per step over each log interval (first one holds compile)
-    last_log_time, last_log_step = time.time(), start_step
-    nonfinite_device = jnp.zeros((), jnp.float32)
-    for step in range(start_step, end_step):
-        indices = sampler.sample(step)
-        batch = compiled.host_batch({
-            "image": dataset.train.images[indices.indices],
-            "label": dataset.train.labels[indices.indices],
-            "mask": indices.mask}, step)
-        batch = sharding.put_batch(batch, mesh)
-        state, metrics = compiled.step(state, batch)
-        nonfinite_device = nonfinite_device + metrics["nonfinite_examples"]
-        done = step + 1
-        if config.fidelity_every_steps and done % config.fidelity_every_steps == 0:
-            row = {name: float(metrics[name]) for name in ("fidelity_cosine", "noise_to_signal")}
-            fidelity["cosine"].append(row["fidelity_cosine"])
-            fidelity["noise_to_signal"].append(row["noise_to_signal"])
-            records.append_metrics(workdir, dict(step=done, **row))
-        if done % eval_every == 0 or done == end_step:
-            params = state.ema_params if config.ema_decay > 0 else state.params
-            val_acc = _evaluate(eval_fn, params, dataset.validation, config.eval_batch_size)
-            logging.info("step %d  validation accuracy %.4f", done, val_acc)
-            records.append_metrics(workdir, dict(step=done, validation_accuracy=val_acc))
-            if val_acc > best["validation_accuracy"]:
-                best = {"validation_accuracy": val_acc, "step": done,
-                        "params": checkpoint.to_host(params)}
-        log_now = done % config.log_every_steps == 0 or done == end_step
-        save_now = done % config.checkpoint_every_steps == 0 or done == end_step
-        if not (log_now or save_now):
-            continue
-        jax.block_until_ready(state)
-        now = time.time()
-        loss = float(metrics["train_loss"])
-        nonfinite_total += float(nonfinite_device)
-        nonfinite_device = jnp.zeros((), jnp.float32)
-        if (not math.isfinite(loss) or bool(metrics["all_nonfinite"])
-                or (save_now and not _params_finite(state.params))):
-            raise TrainingDiverged(
-                f"training diverged at step {done} (train loss {loss}); the last good "
-                f"checkpoint is step {last_saved} in {ckpts.directory}. Lower "
-                "optimize.optax.learning_rate and start a new --workdir")
-        epsilon = compiled.epsilon_after(done)
-        if log_now:
-            rate = (done - last_log_step) / max(now - last_log_time, 1e-9)
-            interval_step_s.append(1.0 / rate)
-            last_log_time, last_log_step = now, done
-            logging.info("step %d/%d  %.2f steps/s  epsilon spent %.4f  loss %.4f",
-                         done, total_steps, rate, epsilon, loss)
-            records.append_metrics(workdir, dict(
-                step=done, steps_per_s=rate, epsilon=epsilon, train_loss=loss,
-                nonfinite_examples=nonfinite_total, wall_s=now - wall_start))
-        if save_now:
-            save_checkpoint(done, epsilon)
-            last_saved = done
+    eval_fn = jax.jit(lambda p, x, y: jnp.sum(jnp.argmax(run.model.apply(p, x), -1) == y))
+    loop = _Loop(run, config, workdir, ckpts, settings, eval_fn, wall_start)
+    state = _train_loop(loop, state, progress, start_step, end_step)
     if start_step == end_step:
         logging.info("the checkpoint at step %d already holds the whole run", end_step)
-    test_acc = _evaluate(eval_fn, best["params"], dataset.test, config.eval_batch_size)
-    epsilon = compiled.epsilon_after(end_step)
-    steady = interval_step_s[1:] or interval_step_s
-    sampler_info = sampler.describe()
-    statement = records.privacy_statement(
+    ckpts.close()
+    record = _run_record(loop, state, progress, pipeline_name, gin_files, budget, end_step,
+                         stop_reason)
+    records.atomic_write_text(workdir / "operative_config.gin", gin.operative_config_str())
+    records.atomic_write_text(workdir / records.RECORD_NAME, records.to_json(record))
+    logging.info("done: test accuracy %.4f (best validation %.4f at step %d), epsilon %.4f",
+                 record["test_accuracy"], record["validation_accuracy"], record["best_step"],
+                 record["epsilon"])
+    logging.info("privacy: %s", record["privacy_statement"]["statement"])
+    return record
+
+
+def _privacy_statement(run: Run, budget, config: TrainConfig, end_step: int,
+                       epsilon: float) -> dict:
+    compiled, n = run.compiled, len(run.dataset.train)
+    return records.privacy_statement(
         epsilon=epsilon, delta=budget.delta,
         mechanisms=[accounting.mechanism_fields(m) for m in compiled.ledger(end_step)
                     if m.count > 0],
-        sampler=dict(sampler_info, dataset_size=n), steps=end_step,
+        sampler=dict(run.sampler.describe(), dataset_size=n), steps=end_step,
         accountant=budget.accountant, accountant_version=accounting.accountant_version(),
         accountant_settings=accounting.accountant_settings(budget),
         accounting_note=accounting.accounting_note(compiled.run_event(end_step), budget),
-        not_covered=not_covered(dataset, config))
-    record = dict(
-        pipeline=pipeline_name, gin_files=list(gin_files),
-        stages=[dict(name=s.name, **s.options) for s in compiled.stages],
-        dataset=dataset.name, model=model_name,
-        dataset_size=n, validation_size=len(dataset.validation),
+        not_covered=not_covered(run.dataset, config))
+
+
+def _fidelity_summary(config: TrainConfig, fidelity: dict) -> Optional[dict]:
+    if not config.fidelity_every_steps:
+        return None
+    cosine, ratio = fidelity["cosine"], fidelity["noise_to_signal"]
+    return dict(every_steps=config.fidelity_every_steps, samples=len(cosine),
+                cosine_mean=float(np.mean(cosine)) if cosine else None,
+                noise_to_signal_mean=float(np.mean(ratio)) if ratio else None,
+                non_private=True)
+
+
+def _run_record(loop: _Loop, state, progress: Progress, pipeline_name: str, gin_files,
+                budget, end_step: int, stop_reason: str) -> dict:
+    """The run record: settings, privacy statement, accuracies, timings, versions."""
+    run, config = loop.run, loop.config
+    compiled, dataset, best = run.compiled, run.dataset, progress.best
+    test_acc = _evaluate(loop.eval_fn, best["params"], dataset.test, config.eval_batch_size)
+    epsilon = compiled.epsilon_after(end_step)
+    steady = progress.interval_step_s[1:] or progress.interval_step_s  # first holds compile
+    return dict(
+        pipeline=pipeline_name, gin_files=list(gin_files), stages=compiled.plan.facts(),
+        dataset=dataset.name, model=run.model_name, dataset_size=len(dataset.train),
+        validation_size=len(dataset.validation),
         public_size=0 if dataset.public is None else len(dataset.public),
         target_epsilon=budget.epsilon, epsilon=epsilon, delta=budget.delta,
         accountant=budget.accountant, noise_multiplier=compiled.noise_multiplier,
         l2_sensitivity=compiled.sensitivity, batch_size=config.batch_size,
-        epochs=config.epochs, steps=end_step, planned_steps=total_steps,
-        stop_reason=stop_reason, budget_enforced=config.enforce_budget, sampling=sampler_info,
+        epochs=config.epochs, steps=end_step, planned_steps=run.total_steps,
+        stop_reason=stop_reason, budget_enforced=config.enforce_budget,
+        sampling=run.sampler.describe(),
         seed=config.seed,  # None for a release run: its OS-drawn seed is never written
-        ema_decay=config.ema_decay,
-        validation_accuracy=best["validation_accuracy"], best_step=best["step"],
-        test_accuracy=test_acc, wall_time_s=time.time() - wall_start,
+        ema_decay=config.ema_decay, validation_accuracy=best["validation_accuracy"],
+        best_step=best["step"], test_accuracy=test_acc,
+        wall_time_s=time.time() - loop.wall_start,
         final_params_sha256=records.tree_sha256(state.params),
-        resumed_from_steps=resumed_from, nonfinite_examples=nonfinite_total,
-        fidelity=None if not config.fidelity_every_steps else dict(
-            every_steps=config.fidelity_every_steps, samples=len(fidelity["cosine"]),
-            cosine_mean=float(np.mean(fidelity["cosine"])) if fidelity["cosine"] else None,
-            noise_to_signal_mean=(float(np.mean(fidelity["noise_to_signal"]))
-                                  if fidelity["noise_to_signal"] else None),
-            non_private=True),
+        resumed_from_steps=progress.resumed_from, nonfinite_examples=progress.nonfinite_total,
+        fidelity=_fidelity_summary(config, progress.fidelity),
         dp_event=accounting.event_to_json(compiled.run_event(end_step)),
-        settings_sha256=checkpoint.settings_digest(settings),
-        calibration_s=calibration_s,
+        settings_sha256=checkpoint.settings_digest(loop.settings), calibration_s=run.compile_s,
         median_step_s=float(np.median(steady)) if steady else None,
         versions=records.versions(), git_commit=records.git_commit(),
-        devices=[str(d) for d in mesh.devices.flat], privacy_statement=statement,
+        devices=[str(d) for d in run.mesh.devices.flat],
+        privacy_statement=_privacy_statement(run, budget, config, end_step, epsilon),
         non_private_outputs=["train_loss, update_norm and nonfinite_examples in metrics.jsonl "
                              "are diagnostics computed from private batches; they are not "
                              "released by the accounted mechanism"] + (
             ["fidelity (fidelity_cosine, noise_to_signal) compares the release with the clean "
              "clipped gradient: non-private benchmark output"]
             if config.fidelity_every_steps else []))
-    ckpts.close()
-    records.atomic_write_text(workdir / "operative_config.gin", gin.operative_config_str())
-    records.atomic_write_text(workdir / records.RECORD_NAME, records.to_json(record))
-    logging.info("done: test accuracy %.4f (best validation %.4f at step %d), epsilon %.4f",
-                 test_acc, best["validation_accuracy"], best["step"], epsilon)
-    logging.info("privacy: %s", statement["statement"])
-    return record

@@ -52,12 +52,18 @@ def compile_small(stage_list, *, n=64, batch_size=16, micro=8, noise_multiplier=
     return compiled, init_params, loss_fn
 
 
+def made(stage, **facts):
+    """The stage's step functions made with small default run facts (override by keyword)."""
+    info = stages.StageInfo(**dict(dict(total_steps=10, steps_per_epoch=5, expected_batch_size=4,
+                                        dataset_size=40, param_shapes=None), **facts))
+    return stage.make(info)
+
+
 def random_data(n, shape=(8, 8, 1), num_classes=4, seed=0):
     rng = np.random.default_rng(seed)
     return (rng.normal(size=(n,) + shape).astype(np.float32),
             rng.integers(0, num_classes, n).astype(np.int32))
 
 
-def make_batch(compiled, images, labels, indices, mask):
-    return compiled.batch_layout({"image": images[indices], "label": labels[indices],
-                                  "mask": mask})
+def make_batch(compiled, images, labels, indices, mask, step=0):
+    return compiled.host_batch(images[indices], labels[indices], mask, step)

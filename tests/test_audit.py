@@ -8,22 +8,22 @@ import sys
 import numpy as np
 import pytest
 
-from dpbench import audit, main, stages
-from dpbench.stages.base import Kind, Stage
+from dpbench import audit, config, stages
+from dpbench.stages.base import Kind, Stage, stateless
 from dpbench.stages.noise import add_gaussian_noise
 from dpbench.train import pipeline_stages
 from tests.conftest import REPO_ROOT
 
 
 def pipeline(gin_file, bindings=()):
-    main.parse_config([gin_file], list(bindings) + list(audit.AUDIT_BINDINGS))
+    config.parse_config([gin_file], list(bindings) + list(audit.AUDIT_BINDINGS))
     return list(pipeline_stages()[1])
 
 
 def no_clip(l2_bound):
     """Declares a clip bound but never clips."""
     return Stage(name="broken.no_clip", kind_in=Kind.PER_EXAMPLE, kind_out=Kind.BOUNDED,
-                 apply=lambda value, state, ctx: value, l2_bound=l2_bound)
+                 make=stateless(lambda value, state, ctx: value), l2_bound=l2_bound)
 
 
 def scaled_noise(factor):
@@ -32,7 +32,7 @@ def scaled_noise(factor):
         return add_gaussian_noise(value, ctx.key,
                                   factor * ctx.noise_multiplier * ctx.sensitivity), state
     return Stage(name="broken.scaled_noise", kind_in=Kind.AGGREGATE, kind_out=Kind.RELEASED,
-                 apply=apply, is_release=True)
+                 make=stateless(apply), is_release=True)
 
 
 def sgd():

@@ -1,4 +1,4 @@
-"""The speed benchmark's harness (dpbench/bench.py) end to end at tiny settings, and its
+"""The speed benchmark's harness (benchmarks/speed.py) end to end at tiny settings, and its
 report logic on synthetic rows. No timing is asserted: only that the report holds the expected
 rows and columns with positive finite numbers."""
 
@@ -7,7 +7,7 @@ import math
 import re
 import types
 
-from dpbench import bench
+from benchmarks import speed as bench
 
 COLUMNS = ["configuration", "B", "padded P", "ms/step (median)", "min–max ms", "examples/s",
            "peak RSS (MiB)", "notes"]

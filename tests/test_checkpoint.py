@@ -15,7 +15,7 @@ import jax
 import numpy as np
 import pytest
 
-from dpbench import accounting, checkpoint, main, records, train
+from dpbench import accounting, checkpoint, config, records, train
 from tests.conftest import REPO_ROOT
 
 DIGITS = ["pipelines/dpsgd.gin", "gin/data/digits.gin"]
@@ -29,7 +29,7 @@ def cli_command(workdir, bindings):
 
 
 def run_in_process(workdir, bindings=(), **kwargs):
-    main.parse_config(DIGITS, list(SHORT) + list(bindings))
+    config.parse_config(DIGITS, list(SHORT) + list(bindings))
     return train.train(workdir, gin_files=DIGITS, **kwargs)
 
 
@@ -115,10 +115,9 @@ def test_checkpoint_restores_from_1_to_8_devices_and_back(tmp_path):
             # the restored state runs on the new mesh
             other, _, _ = compile_small(dpsgd_stages(), mesh=restore_mesh,
                                         noise_multiplier=1.0, micro=8)
-            batch = other.batch_layout({{
-                "image": np.zeros((other.sampler.padded_batch_size, 8, 8, 1), np.float32),
-                "label": np.zeros(other.sampler.padded_batch_size, np.int32),
-                "mask": np.ones(other.sampler.padded_batch_size, bool)}})
+            padded = other.sampler.padded_batch_size
+            batch = other.host_batch(np.zeros((padded, 8, 8, 1), np.float32),
+                                     np.zeros(padded, np.int32), np.ones(padded, bool), 0)
             out, _ = other.step(restored.state, sharding.put_batch(batch, restore_mesh))
             assert int(out.step) == 1
         print("OK")

@@ -11,7 +11,7 @@ import optax
 import pytest
 
 from dpbench import compiler, stages
-from dpbench.stages.base import Kind, Stage
+from dpbench.stages.base import Kind, Stage, stateless
 from tests.conftest import (REPO_ROOT, compile_small, dpsgd_stages, make_batch, random_data,
                             small_model)
 from tests.stages.test_noise import std_test_pvalue
@@ -101,7 +101,8 @@ def test_the_step_does_not_recompile_across_steps():
 
 
 def _stage(name, kind_in, kind_out, **kw):
-    return Stage(name=name, kind_in=kind_in, kind_out=kind_out, apply=lambda *a: None, **kw)
+    kw.setdefault("make", stateless(lambda v, s, ctx: (v, s)))
+    return Stage(name=name, kind_in=kind_in, kind_out=kind_out, **kw)
 
 
 def test_noise_before_clip_is_rejected_naming_the_stage():
@@ -146,32 +147,34 @@ def test_undeclared_transforms_and_selection_are_rejected():
         compiler.validate_pipeline(second_clip)
 
 
-@pytest.mark.parametrize("change,match", [
-    (dict(dp_event=None), r"'select.sneaky'.*DP cost"),
-    (dict(lipschitz=None), r"'select.sneaky'.*Lipschitz"),
-    (dict(), r"'select.sneaky' declares a DP cost, but its dp_event returned None"),
-])
-def test_the_compiler_validates_the_stages_it_actually_runs(change, match):
-    """A stage whose build() drops a declaration the unbuilt stage made is rejected at
-    compile time (the unbuilt one passes validation), and a correct build compiles."""
-    import dataclasses
-
-    def build(stage, info):
-        return dataclasses.replace(stage, build=None, apply=lambda v, s, ctx: (v, s), **change)
+def test_the_compiler_runs_exactly_the_validated_declarations():
+    """make() returns step functions only: a stage cannot change what was validated. A make
+    that returns anything else, a cost that returns no DpEvent, and a declared one-off release
+    without its functions are all rejected naming the stage; an honest stage compiles."""
+    def pipeline(middle):
+        return [stages.grad.per_example(), stages.clip.global_l2(1.0), middle,
+                stages.noise.gaussian(), stages.optimize.optax_optimizer()]
 
     sneaky = _stage("select.sneaky", Kind.AGGREGATE, Kind.AGGREGATE, lipschitz=1.0,
-                    dp_event=lambda info: None, build=build)
-    pipeline = [stages.grad.per_example(), stages.clip.global_l2(1.0), sneaky,
-                stages.noise.gaussian(), stages.optimize.optax_optimizer()]
-    compiler.validate_pipeline(pipeline)  # the declaration as written passes
-    with pytest.raises(compiler.PipelineError, match=match):
-        compile_small(pipeline, noise_multiplier=1.0)
-    honest = dataclasses.replace(sneaky, build=lambda stage, info: dataclasses.replace(
-        stage, build=None, reads_private=False, dp_event=None,
-        apply=lambda v, s, ctx: (v, s)))
-    compile_small([stages.grad.per_example(), stages.clip.global_l2(1.0), honest,
-                   stages.noise.gaussian(), stages.optimize.optax_optimizer()],
-                  noise_multiplier=1.0)
+                    reads_private=False,
+                    make=lambda info: _stage("x", Kind.AGGREGATE, Kind.AGGREGATE))
+    with pytest.raises(compiler.PipelineError, match=r"'select.sneaky'.*not StageFns"):
+        compile_small(pipeline(sneaky), noise_multiplier=1.0)
+    free = _stage("select.free", Kind.AGGREGATE, Kind.AGGREGATE, lipschitz=1.0,
+                  cost=lambda info: None)
+    with pytest.raises(compiler.PipelineError,
+                       match=r"'select.free' declares a DP cost, but its cost returned None"):
+        compile_small(pipeline(free), noise_multiplier=1.0)
+    from dpbench.stages.base import OneOffRelease
+    hollow = _stage("prune.hollow", Kind.PER_EXAMPLE, Kind.PER_EXAMPLE,
+                    one_off_release=OneOffRelease(l2_bound=1.0, epsilon_fraction=0.1))
+    with pytest.raises(compiler.PipelineError, match=r"'prune.hollow' declares a one-off"):
+        compile_small([stages.grad.per_example(), hollow, stages.clip.global_l2(1.0),
+                       stages.noise.gaussian(), stages.optimize.optax_optimizer()],
+                      noise_multiplier=1.0)
+    honest = _stage("select.honest", Kind.AGGREGATE, Kind.AGGREGATE, lipschitz=1.0,
+                    reads_private=False)
+    compile_small(pipeline(honest), noise_multiplier=1.0)
 
 
 def test_sensitivity_is_the_clip_bound_times_lipschitz_factors():
@@ -295,7 +298,7 @@ def test_fidelity_diagnostics_compare_the_release_with_the_clean_clipped_mean(si
         dpsgd_stages(l2_bound=0.5, optimizer="sgd"), n=n, batch_size=n, micro=8,
         noise_multiplier=sigma, padded_batch_size=n)
     compiled = compiler.compile_pipeline(
-        compiled.stages, loss_fn=small_model()[1],
+        list(compiled.stages), loss_fn=small_model()[1],
         init_params=init_params, example_shape=(8, 8, 1), sampler=compiled.sampler,
         budget=compiled.budget, total_steps=10, steps_per_epoch=4, micro_batch_size=8,
         noise_multiplier=sigma, fidelity_diagnostics=True)

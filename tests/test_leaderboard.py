@@ -6,7 +6,7 @@ import shutil
 import numpy as np
 import pytest
 
-from dpbench import leaderboard, main, train
+from dpbench import config, leaderboard, train
 
 GROUP = "fashion_mnist__tanh_cnn__eps3.0__delta1e-05"
 
@@ -117,7 +117,7 @@ def test_cli_exit_code_and_message(tmp_path, capsys):
 def test_a_real_run_record_is_accepted(tmp_path):
     """The builder reads what train.py writes (guards against schema drift)."""
     group = tmp_path / "records" / "digits__mlp__eps3.0__delta0.0001"
-    main.parse_config(["pipelines/dpsgd.gin", "gin/data/digits.gin"],
+    config.parse_config(["pipelines/dpsgd.gin", "gin/data/digits.gin"],
                       ["train.epochs = 1", "EPSILON = 3.0"])
     train.train(group / "dpsgd-seed0")
     table = leaderboard.build(tmp_path / "records", tmp_path)
@@ -139,7 +139,7 @@ def test_every_sweep_configuration_parses_and_names_its_method():
     sweep = _load_sweep()
     for method, configs in sweep.GRID.items():
         for gin_file, bindings in configs.values():
-            main.parse_config([gin_file], [*sweep.SWEEP_BINDINGS, *bindings])
+            config.parse_config([gin_file], [*sweep.SWEEP_BINDINGS, *bindings])
             name, stages = train.pipeline_stages()
             assert name == method and stages
     jobs = sweep.jobs([3.0, 1.0], [0, 1, 2], list(sweep.GRID))
@@ -155,22 +155,22 @@ def test_every_sweep_configuration_parses_and_names_its_method():
     assert len(names) == grid  # no two configurations share a workdir
 
 
-@pytest.mark.parametrize("method,config,halved", [("nasr", "tau1e-3", 19.2),
-                                                  ("rs", "r0.9", 2.0)])
-def test_a_halved_learning_rate_config_binds_exactly_that_rate(method, config, halved, tmp_path):
+@pytest.mark.parametrize("method,label,halved", [("nasr", "tau1e-3", 19.2),
+                                                 ("rs", "r0.9", 2.0)])
+def test_a_halved_learning_rate_config_binds_exactly_that_rate(method, label, halved, tmp_path):
     sweep = _load_sweep()
-    command = sweep.command_for(method, config + sweep.HALF_LR, 3.0, 0, tmp_path, halved)
+    command = sweep.command_for(method, label + sweep.HALF_LR, 3.0, 0, tmp_path, halved)
     gin_file = command[1].removeprefix("--gin_file=")
     bindings = [a.removeprefix("--gin_bindings=") for a in command if "--gin_bindings=" in a]
-    main.parse_config([gin_file], bindings)
+    config.parse_config([gin_file], bindings)
     import gin
     assert gin.query_parameter("optimize.optax.learning_rate") == halved
-    assert command[:-1] == sweep.command_for(method, config, 3.0, 0, tmp_path)[:-1] + [
+    assert command[:-1] == sweep.command_for(method, label, 3.0, 0, tmp_path)[:-1] + [
         f"--gin_bindings=optimize.optax.learning_rate = {halved!r}"]
     with pytest.raises(ValueError, match="learning rate"):
-        sweep.command_for(method, config + sweep.HALF_LR, 3.0, 0, tmp_path)  # rate missing
+        sweep.command_for(method, label + sweep.HALF_LR, 3.0, 0, tmp_path)  # rate missing
     with pytest.raises(ValueError, match="learning rate"):
-        sweep.command_for(method, config, 3.0, 0, tmp_path, 2.0)  # rate without the suffix
+        sweep.command_for(method, label, 3.0, 0, tmp_path, 2.0)  # rate without the suffix
 
 
 def _runs(val_by_seed, lr):

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from dpbench import accounting, compiler, main, train
+from dpbench import accounting, compiler, config, train
 from tests.conftest import REPO_ROOT
 
 DIGITS = ["pipelines/dpsgd.gin", "gin/data/digits.gin"]
@@ -14,7 +14,7 @@ QUICK = ["train.epochs = 2", "train.log_every_steps = 5"]
 
 
 def run_in_process(tmp_path, files=DIGITS, bindings=()):
-    main.parse_config(files, list(QUICK) + list(bindings))
+    config.parse_config(files, list(QUICK) + list(bindings))
     return train.train(tmp_path / "run", gin_files=files)
 
 
@@ -65,8 +65,8 @@ def test_shuffled_batches_are_flagged_in_the_record(tmp_path):
     (["dataset.name = 'imagenette'"], ValueError, "unknown dataset 'imagenette'"),
     (["model.name = 'resnet9000'"], ValueError, "unknown model 'resnet9000'"),
     (["STAGES = [@grad.per_example(), @clip.global_l3(), @noise.gaussian(), "
-      "@optimize.optax()]"], main.ConfigError, "known stages: .*clip.global_l2"),
-    (["clip.global_l2.l2_bond = 1.0"], main.ConfigError, "l2_bond"),
+      "@optimize.optax()]"], config.ConfigError, "known stages: .*clip.global_l2"),
+    (["clip.global_l2.l2_bond = 1.0"], config.ConfigError, "l2_bond"),
     (["STAGES = [@grad.per_example(), @noise.gaussian(), @clip.global_l2(), "
       "@optimize.optax()]"], compiler.PipelineError, "'noise.gaussian'"),
 ])
@@ -86,5 +86,5 @@ def test_missing_fashion_mnist_files_name_the_install_command(tmp_path, monkeypa
 
 
 def test_missing_gin_file_is_a_clear_error():
-    with pytest.raises(main.ConfigError, match="not found"):
-        main.parse_config(["pipelines/nope.gin"], [])
+    with pytest.raises(config.ConfigError, match="not found"):
+        config.parse_config(["pipelines/nope.gin"], [])

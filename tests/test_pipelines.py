@@ -11,7 +11,7 @@ from dp_accounting.pld import common as pld_common
 from dp_accounting.pld import pld_privacy_accountant
 from dp_accounting.pld import privacy_loss_distribution as pld_lib
 
-from dpbench import main, records, train
+from dpbench import config, records, train
 from tests.conftest import REPO_ROOT
 
 PIPELINES = sorted(p.name for p in (REPO_ROOT / "pipelines").glob("*.gin"))
@@ -99,7 +99,7 @@ def check_statement(record: dict) -> None:
 @pytest.mark.parametrize("pipeline", PIPELINES)
 def test_pipeline_trains_on_digits(pipeline, tmp_path):
     files = [f"pipelines/{pipeline}", "gin/data/digits.gin"]
-    main.parse_config(files, ["train.epochs = 2", "train.log_every_steps = 5",
+    config.parse_config(files, ["train.epochs = 2", "train.log_every_steps = 5",
                               "dataset.public_size = 64", "gep.embed_and_clip.num_anchors = 64",
                               "gep.embed_and_clip.num_basis = 48"])
     record = train.train(tmp_path / "run", gin_files=files)
@@ -113,7 +113,7 @@ def test_pipeline_trains_on_digits(pipeline, tmp_path):
 @pytest.mark.parametrize("prune", ["synflow", "dp_snip"])
 def test_dpssgd_prune_variants_by_binding(prune, tmp_path):
     files = ["pipelines/dpssgd.gin", "gin/data/digits.gin"]
-    main.parse_config(files, ["train.epochs = 2", f"PRUNE = @prune.{prune}()",
+    config.parse_config(files, ["train.epochs = 2", f"PRUNE = @prune.{prune}()",
                               "prune.synflow.iterations = 10"])
     record = train.train(tmp_path / "run", gin_files=files)
     assert record["stages"][1]["name"] == f"prune.{prune}"

@@ -1,20 +1,24 @@
-"""The stage abstraction: small optax-like objects plus the declarations the compiler checks.
+"""The stage abstraction: a privacy declaration stated once, plus ``make`` for its step functions.
 
-A stage is built by a factory function registered with :func:`register_stage` (which registers it
-with gin), so a pipeline's gin file names it as ``@clip.global_l2()``. The factory returns a
-:class:`Stage`: pure ``init``/``apply`` functions and the privacy declarations (kinds, L2 bound,
-Lipschitz factor, release flag, DP cost) that the compiler uses to validate the chain and derive
-sensitivities without trusting any stage's arithmetic.
+A stage is built by a factory registered with :func:`register_stage` (which registers it with
+gin), so a pipeline's gin file names it as ``@clip.global_l2()``. The factory validates its
+arguments and returns a :class:`Stage`: the DECLARATION the compiler validates (kinds, L2 bound,
+Lipschitz factor, parts, cost, what it reads, where its public mask applies) and ``make(info)``,
+which the compiler calls with the run's public facts and which returns the stage's pure step
+functions (:class:`StageFns`, optax-like). ``make`` returns functions only, so nothing it does
+can change what was declared and validated.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import enum
-from typing import Any, Callable, NamedTuple, Optional
+from types import MappingProxyType
+from typing import Any, Callable, Mapping, NamedTuple, Optional
 
 import gin
 import jax
+import jax.numpy as jnp
 
 
 class Kind(enum.Enum):
@@ -32,8 +36,22 @@ class Kind(enum.Enum):
 PRIVATE_KINDS = frozenset({Kind.EXAMPLE, Kind.PER_EXAMPLE, Kind.BOUNDED, Kind.AGGREGATE})
 
 
+class Mask(enum.Enum):
+    """Where the compiler applies a stage's public mask (``state["mask"]``, a params-shaped
+    0/1 tree): the same helper, :func:`apply_mask`, everywhere."""
+
+    RELEASED = "released"  # right after the release: noise only on kept coordinates
+    UPDATES = "updates"    # on the optimizer's output: masked coordinates do not move
+    PARAMS = "params"      # once, on the initial parameters (pre-pruning zeroes weights)
+
+
+def apply_mask(tree, mask):
+    """``tree * mask`` leaf by leaf: the one public-mask multiply of every masking stage."""
+    return jax.tree.map(jnp.multiply, tree, mask)
+
+
 class StageInfo(NamedTuple):
-    """Public, run-level facts a stage may use when it is built (all known before training)."""
+    """Public, run-level facts a stage may use when it is made (all known before training)."""
 
     total_steps: int
     steps_per_epoch: int
@@ -45,13 +63,15 @@ class StageInfo(NamedTuple):
     num_classes: int = 0
     linear_apply: Optional[Callable] = None  # the model with identity activations (public)
     example_shape: tuple = ()
+    padded_batch_size: int = 0  # the sampler's static batch size (examples + padding)
 
 
 class StepContext(NamedTuple):
-    """What a stage's ``apply`` may read inside the step. Everything here is public or released.
+    """What a stage's functions may read inside the step. Everything here is public or released.
 
     ``key`` is this stage's own key for this step (and, for per-example stages, this example);
-    ``noise_multiplier`` and ``sensitivity`` are filled in by the compiler for release stages.
+    ``noise_multiplier`` and ``sensitivity`` are filled in by the compiler for release stages;
+    ``host_inputs`` is this stage's public host randomness for this step (``host_inputs``).
     """
 
     params: Any
@@ -60,94 +80,95 @@ class StepContext(NamedTuple):
     loss_fn: Optional[Callable] = None
     noise_multiplier: float = 0.0
     sensitivity: float = 0.0
-    host_inputs: Any = None  # this stage's public host randomness for this step (host_inputs)
+    host_inputs: Any = None
 
 
-def _gradient(params, grads):  # noqa: ARG001
-    return grads
-
-
-class InitRelease(NamedTuple):
-    """A one-off Gaussian release before training (see Stage.init_release)."""
+class OneOffRelease(NamedTuple):
+    """Declares ONE accounted Gaussian release of private data before training (DP-SNIP): each
+    example's value (``StageFns.release_value``) clipped to ``l2_bound``, summed over a batch of
+    the run's own sampler, noised so that it alone spends ``epsilon_fraction`` of epsilon."""
 
     l2_bound: float
-    epsilon_fraction: float  # its noise is set so that it alone spends this share of epsilon
-    init: Callable           # (params, released_sum, key) -> stage state
-    # (params, one example's gradient) -> the per-example value that is clipped and summed
-    per_example: Callable = _gradient
+    epsilon_fraction: float
     released: str = "the clipped per-example gradient sum"  # what it releases, in words
 
 
-def _no_state(params, key, info):  # noqa: ARG001
+def _no_state(params, key):  # noqa: ARG001
     return ()
+
+
+class StageFns(NamedTuple):
+    """A stage's pure step functions, made by ``Stage.make(info)``.
+
+    apply: ``apply(value, state, ctx) -> value`` for per-example kinds (the compiler vmaps it;
+      state is read-only there; the first stage returns ``(value, aux)``),
+      ``apply(value, state, ctx) -> (value, new_state)`` otherwise.
+    init: ``init(params, key) -> state``; the state is public (never private data).
+    begin_step: ``begin_step(state, ctx) -> state``, once per step before the batch, from public
+      inputs only (params, public data, the step key): GEP's basis, DP-SSGD's drop mask.
+    after_release: ``after_release(released, state, ctx) -> released`` for a stage before the
+      release: public post-processing with its own public state (GEP's reconstruction). Public
+      masks need none: the compiler applies them (``Stage.public_mask``).
+    host_inputs: ``host_inputs(step, rng) -> pytree of numpy arrays``: public randomness drawn
+      on the host, exactly (GIP's Mallows draws: float32 on the device cannot sample them to
+      the precision their privacy claim needs). ``rng`` is a numpy Generator seeded by (run host
+      seed, stage, step); the result reaches ``apply`` as ``ctx.host_inputs``; it never sees data.
+    release_value / init_from_release: for a stage declaring ``one_off_release``:
+      ``release_value(params, grad) -> value`` (one example's value, clipped by the compiler) and
+      ``init_from_release(params, released_sum, key) -> state``.
+    facts: public facts derived from the run (GIP's per-step index epsilon, GEP's basis split),
+      recorded next to the stage's options in the run record and the privacy statement.
+    """
+
+    apply: Callable
+    init: Callable = _no_state
+    begin_step: Optional[Callable] = None
+    after_release: Optional[Callable] = None
+    host_inputs: Optional[Callable] = None
+    release_value: Optional[Callable] = None
+    init_from_release: Optional[Callable] = None
+    facts: Mapping = MappingProxyType({})
 
 
 @dataclasses.dataclass(frozen=True)
 class Stage:
-    """One step of a pipeline.
+    """One step of a pipeline: its privacy declaration (validated by the compiler) and ``make``.
 
     Attributes:
       name: the registered name (``clip.global_l2``); errors name stages by it.
       kind_in / kind_out: the kinds this stage consumes and produces.
-      apply: ``apply(value, state, ctx) -> value`` for per-example kinds (the compiler vmaps it;
-        state is read-only there), ``apply(value, state, ctx) -> (value, new_state)`` otherwise.
-      init: ``init(params, key, info) -> state``; the state is public (never private data).
-      l2_bound: for a clip stage (PER_EXAMPLE -> BOUNDED): every output has L2 norm <= l2_bound.
-      lipschitz: for a BOUNDED -> BOUNDED stage: its L2 Lipschitz factor (a public mask or an
-        orthonormal projection is 1). ``None`` means unknown, which the compiler rejects.
-      is_release: True for a stage that releases the aggregate with Gaussian noise of stddev
+      make: ``make(info: StageInfo) -> StageFns``, called once by the compiler with run facts.
+      l2_bound: for a clip stage (PER_EXAMPLE -> BOUNDED): every output part has L2 norm <= it.
+      parts: for a clip stage, how many separately bounded parts its output has, each of L2
+        norm <= l2_bound and released with the same sigma (GEP: embedding + residual = 2); a
+        step then costs one Gaussian with multiplier sigma / sqrt(parts).
+      lipschitz: for a BOUNDED -> BOUNDED or AGGREGATE -> AGGREGATE stage: its L2 Lipschitz
+        factor (a public mask is 1). ``None`` means unknown, which the compiler rejects.
+      is_release: True for the stage that adds Gaussian noise of stddev
         ``noise_multiplier * sensitivity`` (both supplied by the compiler).
-      dp_event: for a non-release stage that reads private values (AGGREGATE -> AGGREGATE), a
-        function ``dp_event(info) -> dp_accounting.DpEvent`` giving its cost per step.
-      build: ``build(stage, info) -> Stage``, called by the compiler with run-level facts (e.g.
-        to build an optimizer schedule over the total number of steps).
-      after_release: for a stage before the release whose state is public (e.g. a public mask),
-        ``after_release(released, state, ctx) -> released``, applied by the compiler right after
-        the release: post-processing with the same public state (e.g. keep noise only on the
-        coordinates the mask kept).
-      parts: for a clip stage, how many separately bounded parts its output has, each with
-        L2 norm <= l2_bound and each released with the same sigma (GEP: embedding + residual = 2);
-        the step then costs one Gaussian with multiplier sigma / sqrt(parts).
-      init_release: for a stage whose initial state needs ONE accounted release of private
-        data before training (DP-SNIP): an ``InitRelease``; the compiler performs the release
-        (per-example grads, clip to ``l2_bound``, sum over a batch of the run's own sampler,
-        Gaussian noise), composes its event into the ledger, and calls
-        ``init_release.init(params, released, key) -> state`` with the released sum only.
-      begin_step: ``begin_step(state, ctx) -> state`` for a per-example stage, run once per step
-        before the batch from public inputs only (params, public data, key): e.g. GEP's basis.
-      reads_private: False for an AGGREGATE stage whose choices ignore the private values (e.g.
-        random-k); then it needs no ``dp_event``.
-      prepare_params: ``prepare_params(params, state) -> params``, applied once to the initial
-        parameters (e.g. a pre-pruning mask zeroing pruned weights); must not read private data.
-      host_inputs: ``host_inputs(step, rng) -> pytree of numpy arrays``: public randomness
-        this (batch) stage needs drawn on the host, exactly (e.g. GIP's Mallows draws, which
-        float32 on the device cannot sample to the precision its privacy claim needs). ``rng``
-        is a numpy Generator seeded by (run host seed, stage, step); the result reaches
-        ``apply`` as ``ctx.host_inputs``. It never sees data.
-      after_update: ``after_update(updates, state, ctx) -> updates``: public post-processing of
-        the optimizer's output with the stage's own public state (DP-SSGD freezes the
-        coordinates dropped this step, so momentum cannot move them).
-      options: the factory's arguments, recorded in the run record.
+      cost: for a non-release stage that reads private values (AGGREGATE -> AGGREGATE):
+        ``cost(info) -> dp_accounting.DpEvent``, its privacy cost per step.
+      reads_private: False for an AGGREGATE stage whose output ignores the private values
+        (random-k); then it needs no ``cost``.
+      one_off_release: a :class:`OneOffRelease` when the stage's initial state needs one
+        accounted release of private data before training (DP-SNIP).
+      public_mask: where the compiler applies the stage's public ``state["mask"]``
+        (:class:`Mask` members).
+      options: the factory's arguments (and facts for the privacy statement), recorded.
     """
 
     name: str
     kind_in: Kind
     kind_out: Kind
-    apply: Callable
-    init: Callable = _no_state
+    make: Callable[[StageInfo], StageFns]
     l2_bound: Optional[float] = None
+    parts: int = 1
     lipschitz: Optional[float] = None
     is_release: bool = False
-    dp_event: Optional[Callable] = None
-    build: Optional[Callable] = None
-    after_release: Optional[Callable] = None
-    prepare_params: Optional[Callable] = None
+    cost: Optional[Callable] = None
     reads_private: bool = True
-    parts: int = 1
-    init_release: Optional[Any] = None
-    begin_step: Optional[Callable] = None
-    host_inputs: Optional[Callable] = None
-    after_update: Optional[Callable] = None
+    one_off_release: Optional[OneOffRelease] = None
+    public_mask: frozenset = frozenset()
     options: dict = dataclasses.field(default_factory=dict)
 
     @property
@@ -155,11 +176,9 @@ class Stage:
         return self.kind_in in (Kind.EXAMPLE, Kind.PER_EXAMPLE, Kind.BOUNDED)
 
 
-def requires_build(name: str) -> Callable:
-    """The ``apply`` of a stage whose real ``apply`` is made by its ``build`` hook."""
-    def unbuilt(*args, **kwargs):
-        raise RuntimeError(f"{name} must be built by the compiler before use")
-    return unbuilt
+def stateless(apply: Callable) -> Callable[[StageInfo], StageFns]:
+    """``make`` for a stage with no state and no run facts: just its ``apply``."""
+    return lambda info: StageFns(apply=apply)
 
 
 _REGISTERED: dict[str, Callable] = {}
@@ -187,3 +206,8 @@ def register_stage(name: str):
 
 def registered_stage_names() -> list[str]:
     return sorted(_REGISTERED)
+
+
+def registered_stage(name: str) -> Callable:
+    """The gin-configurable factory registered under ``name``."""
+    return _REGISTERED[name]

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from dpbench.stages.base import Kind, Stage, register_stage
+from dpbench.stages.base import Kind, Stage, register_stage, stateless
 
 
 def clip_to_l2(tree, l2_bound: float):
@@ -48,4 +48,5 @@ def global_l2(l2_bound: float = 1.0) -> Stage:
         return clip_to_l2(value, float(l2_bound))
 
     return Stage(name="clip.global_l2", kind_in=Kind.PER_EXAMPLE, kind_out=Kind.BOUNDED,
-                 apply=apply, l2_bound=float(l2_bound), options=dict(l2_bound=float(l2_bound)))
+                 make=stateless(apply), l2_bound=float(l2_bound),
+                 options=dict(l2_bound=float(l2_bound)))

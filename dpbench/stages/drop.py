@@ -11,7 +11,7 @@ step's gradient. Sensitivity and epsilon are DP-SGD's.
 Frozen coordinates (paper eq. 5, the default ``freeze_dropped=True``): the dropped coordinates
 keep their value this step. With momentum or Adam, masking the gradient alone is not enough
 (the optimizer's state would still move them), so the optimizer's UPDATE is masked too
-(``after_update``); the optimizer state itself evolves as with a zero gradient there.
+(its public mask applies to the updates too); the optimizer state itself evolves as with a zero gradient there.
 ``freeze_dropped=False`` is the variant that masks only the gradient (momentum still moves
 dropped coordinates): dpbench's DP-SSGD before 2026-11-23, kept for comparison.
 """
@@ -21,7 +21,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from dpbench.stages.base import Kind, Stage, StageInfo, register_stage
+from dpbench.stages.base import (Kind, Mask, Stage, StageFns, StageInfo, apply_mask,
+                                 register_stage)
 
 CRITERIA = ("random", "magnitude")
 
@@ -76,26 +77,25 @@ def gradients(rate: float = 0.5, criterion: str = "random",
         raise ValueError(f"drop.gradients.freeze_dropped must be True or False, "
                          f"got {freeze_dropped!r}")
 
-    def init(params, key, info):
+    def make(info: StageInfo) -> StageFns:
         del info
-        return {"mask_key": key, "mask": jax.tree.map(jnp.ones_like, params)}
 
-    def begin_step(state, ctx):
-        # Once per step, not per micro-batch: the mask reads only public inputs (the stage key,
-        # the step, the parameters), and its sort was most of DP-SSGD's step time.
-        return dict(state, mask=drop_mask(criterion, rate, ctx.params, state["mask_key"],
-                                          ctx.step))
+        def init(params, key):
+            return {"mask_key": key, "mask": jax.tree.map(jnp.ones_like, params)}
 
-    def apply(grads, state, ctx):
-        del ctx
-        return jax.tree.map(jnp.multiply, grads, state["mask"])
+        def begin_step(state, ctx):
+            # Once per step, not per micro-batch: the mask reads only public inputs (the stage
+            # key, the step, the parameters), and its sort was most of DP-SSGD's step time.
+            return dict(state, mask=drop_mask(criterion, rate, ctx.params, state["mask_key"],
+                                              ctx.step))
 
-    def mask_values(values, state, ctx):
-        del ctx
-        return jax.tree.map(jnp.multiply, values, state["mask"])
+        def apply(grads, state, ctx):
+            del ctx
+            return apply_mask(grads, state["mask"])
 
+        return StageFns(apply=apply, init=init, begin_step=begin_step)
+
+    where = {Mask.RELEASED, Mask.UPDATES} if freeze_dropped else {Mask.RELEASED}
     return Stage(name="drop.gradients", kind_in=Kind.PER_EXAMPLE, kind_out=Kind.PER_EXAMPLE,
-                 apply=apply, init=init, begin_step=begin_step,
-                 after_release=mask_values,
-                 after_update=mask_values if freeze_dropped else None,
+                 make=make, public_mask=frozenset(where),
                  options=dict(rate=rate, criterion=criterion, freeze_dropped=freeze_dropped))

@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dpbench.stages.base import Kind, Stage, StageInfo, register_stage, requires_build
+from dpbench.stages.base import Kind, Stage, StageFns, StageInfo, register_stage
 from dpbench.stages.clip import clip_to_l2
 
 
@@ -72,6 +72,56 @@ def power_basis(anchor_grads, key, k: int, iterations: int):
     return basis
 
 
+def anchor_basis(anchors, ctx, ks: dict, num_classes: int, iterations: int, chunk: int):
+    """Per group, an orthonormal basis (ks[g] rows) of the anchor gradients at the current
+    (public) parameters, the anchors labelled at random: public inputs only."""
+    label_key, basis_key = jax.random.split(ctx.key)
+    labels = jax.random.randint(label_key, (anchors.shape[0],), 0, num_classes)
+    anchor_grad = jax.grad(ctx.loss_fn)
+    grads = jax.lax.map(lambda xy: anchor_grad(ctx.params, *xy), (anchors, labels),
+                        batch_size=chunk)
+    grouped = _groups(grads)
+    basis = {}
+    for i, g in enumerate(sorted(ks)):
+        matrix = jax.vmap(_flat)(grouped[g])  # m x p_g
+        basis[g] = power_basis(matrix, jax.random.fold_in(basis_key, i), ks[g], iterations)
+    return basis
+
+
+def embed_and_clip_one(grads, basis: dict, embedding_bound: float, residual_bound: float,
+                       biased: bool) -> dict:
+    """One example: embedding w = concat_g(B_g g_g) clipped to S1 and residual r = g - B^T w
+    clipped to S2, each scaled to norm <= 1: {"w": w / S1[, "r": r / S2]} (r keyed by group)."""
+    grouped = _groups(grads)
+    embed, residual = [], {}
+    for g in sorted(basis):
+        vector = _flat(grouped[g])
+        w = basis[g] @ vector
+        embed.append(w)
+        residual[g] = _unflat(vector - basis[g].T @ w, grouped[g])
+    w = clip_to_l2(jnp.concatenate(embed), embedding_bound) / embedding_bound
+    if biased:
+        return {"w": w}
+    r = clip_to_l2(residual, residual_bound)
+    return {"w": w, "r": jax.tree.map(lambda x: x / residual_bound, r)}
+
+
+def reconstruct(released: dict, basis: dict, like, embedding_bound: float,
+                residual_bound: float, biased: bool):
+    """Public post-processing of the release: S1 * w~ B + S2 * r~, in parameter shape."""
+    w = released["w"] * embedding_bound
+    out, start = {}, 0
+    groups_like = _groups(like)
+    for g in sorted(basis):
+        k = basis[g].shape[0]
+        out[g] = _unflat(basis[g].T @ w[start:start + k], groups_like[g])
+        start += k
+    if not biased:
+        r = released["r"]  # keyed by group, as embed_and_clip_one built it
+        out = {g: jax.tree.map(lambda a, b: a + residual_bound * b, out[g], r[g]) for g in out}
+    return _ungroup(out, like)
+
+
 @register_stage("gep.embed_and_clip")
 def embed_and_clip(num_basis: int = 200, num_anchors: int = 512, embedding_bound: float = 0.1,
                    residual_bound: float = 0.02, power_iterations: int = 1,
@@ -95,75 +145,39 @@ def embed_and_clip(num_basis: int = 200, num_anchors: int = 512, embedding_bound
                    power_iterations=power_iterations, biased=biased)
     name = "gep.embed_and_clip"
 
-    def build(stage: Stage, info: StageInfo) -> Stage:
+    def make(info: StageInfo) -> StageFns:
         if info.public_images is None or len(info.public_images) < num_anchors:
             have = 0 if info.public_images is None else len(info.public_images)
             raise ValueError(f"GEP needs {num_anchors} public anchor examples but the dataset "
                              f"declares {have}; set dataset.public_size >= {num_anchors} "
                              "(carved from train, disjoint from the private set)")
         anchors = np.asarray(info.public_images[:num_anchors], np.float32)
-        group_shapes = _groups(info.param_shapes)
         sizes = {g: sum(math.prod(x.shape) for x in jax.tree.leaves(sub))
-                 for g, sub in group_shapes.items()}
+                 for g, sub in _groups(info.param_shapes).items()}
         ks = basis_sizes(sizes, num_basis, num_anchors)
-        num_classes = info.num_classes
 
-        def init(params, key, info):
-            del key, info
+        def init(params, key):
+            del params, key
             return {"anchors": jnp.asarray(anchors),
                     "basis": {g: jnp.zeros((ks[g], sizes[g]), jnp.float32) for g in ks}}
 
         def begin_step(state, ctx):
-            label_key, basis_key = jax.random.split(ctx.key)
-            labels = jax.random.randint(label_key, (num_anchors,), 0, num_classes)
-            anchor_grad = jax.grad(ctx.loss_fn)
-            grads = jax.lax.map(lambda xy: anchor_grad(ctx.params, *xy),
-                                (state["anchors"], labels), batch_size=anchor_chunk)
-            grouped = _groups(grads)
-            basis = {}
-            for i, g in enumerate(sorted(ks)):
-                matrix = jax.vmap(_flat)(grouped[g])  # m x p_g
-                basis[g] = power_basis(matrix, jax.random.fold_in(basis_key, i), ks[g],
-                                       power_iterations)
-            return {"anchors": state["anchors"], "basis": basis}
+            return dict(state, basis=anchor_basis(
+                state["anchors"], ctx, ks, info.num_classes, power_iterations, anchor_chunk))
 
         def apply(grads, state, ctx):
             del ctx
-            grouped = _groups(grads)
-            embed, residual = [], {}
-            for g in sorted(ks):
-                vector = _flat(grouped[g])
-                w = state["basis"][g] @ vector
-                embed.append(w)
-                residual[g] = _unflat(vector - state["basis"][g].T @ w, grouped[g])
-            w = clip_to_l2(jnp.concatenate(embed), embedding_bound) / embedding_bound
-            if biased:
-                return {"w": w}
-            r = clip_to_l2(residual, residual_bound)
-            return {"w": w, "r": jax.tree.map(lambda x: x / residual_bound, r)}
+            return embed_and_clip_one(grads, state["basis"], embedding_bound, residual_bound,
+                                      biased)
 
         def after_release(released, state, ctx):
-            w = released["w"] * embedding_bound
-            out, start = {}, 0
-            like = _groups(ctx.params)
-            for g in sorted(ks):
-                part = w[start:start + ks[g]]
-                start += ks[g]
-                out[g] = _unflat(state["basis"][g].T @ part, like[g])
-            if not biased:
-                r = released["r"]  # keyed by group, as apply built it
-                out = {g: jax.tree.map(lambda a, b: a + residual_bound * b, out[g], r[g])
-                       for g in out}
-            return _ungroup(out, ctx.params)
+            return reconstruct(released, state["basis"], ctx.params, embedding_bound,
+                               residual_bound, biased)
 
-        return Stage(name=name, kind_in=Kind.PER_EXAMPLE, kind_out=Kind.BOUNDED, apply=apply,
-                     init=init, begin_step=begin_step, after_release=after_release,
-                     l2_bound=1.0, parts=1 if biased else 2,
-                     options=dict(options, basis_per_group=ks, part_bounds=(
-                         {"embedding": embedding_bound} if biased else
-                         {"embedding": embedding_bound, "residual": residual_bound})))
+        return StageFns(apply=apply, init=init, begin_step=begin_step,
+                        after_release=after_release, facts=dict(basis_per_group=ks, part_bounds=(
+                            {"embedding": embedding_bound} if biased else
+                            {"embedding": embedding_bound, "residual": residual_bound})))
 
-
-    return Stage(name=name, kind_in=Kind.PER_EXAMPLE, kind_out=Kind.BOUNDED,
-                 apply=requires_build(name),
-                 build=build, l2_bound=1.0, parts=1 if biased else 2, options=options)
+    return Stage(name=name, kind_in=Kind.PER_EXAMPLE, kind_out=Kind.BOUNDED, make=make,
+                 l2_bound=1.0, parts=1 if biased else 2, options=options)

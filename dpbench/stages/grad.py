@@ -5,7 +5,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from dpbench.stages.base import Kind, Stage, register_stage
+from dpbench.stages.base import Kind, Stage, register_stage, stateless
 
 AUGMENTATIONS = ("none", "crop_flip", "crop")
 
@@ -57,5 +57,5 @@ def per_example(augmult: int = 1, augmentation: str = "none", crop_padding: int 
         return jax.tree.map(lambda g: g.mean(axis=0), grads), {"loss": losses.mean()}
 
     return Stage(name="grad.per_example", kind_in=Kind.EXAMPLE, kind_out=Kind.PER_EXAMPLE,
-                 apply=apply, options=dict(augmult=augmult, augmentation=augmentation,
+                 make=stateless(apply), options=dict(augmult=augmult, augmentation=augmentation,
                                            crop_padding=crop_padding))

@@ -19,7 +19,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from dpbench.stages.base import Kind, Stage, register_stage
+from dpbench.stages.base import Kind, Stage, register_stage, stateless
 
 
 def ternary(x, threshold):
@@ -37,7 +37,7 @@ def discretize(threshold: float = 0.001) -> Stage:
         return jax.tree.map(lambda g: ternary(g, threshold), grads)
 
     return Stage(name="discretize.ternary", kind_in=Kind.PER_EXAMPLE, kind_out=Kind.PER_EXAMPLE,
-                 apply=apply, options=dict(threshold=threshold))
+                 make=stateless(apply), options=dict(threshold=threshold))
 
 
 def log_likelihoods(y, nu, scale):
@@ -64,4 +64,4 @@ def nasr_bayes(nu: float = 0.01) -> Stage:
         return jax.tree.map(lambda y: bayes_correct(y, nu, scale), released), state
 
     return Stage(name="denoise.nasr_bayes", kind_in=Kind.RELEASED, kind_out=Kind.RELEASED,
-                 apply=apply, options=dict(nu=nu))
+                 make=stateless(apply), options=dict(nu=nu))

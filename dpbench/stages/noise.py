@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import jax
 
-from dpbench.stages.base import Kind, Stage, register_stage
+from dpbench.stages.base import Kind, Stage, register_stage, stateless
 
 
 def add_gaussian_noise(tree, key: jax.Array, stddev):
@@ -31,4 +31,4 @@ def gaussian() -> Stage:
         return add_gaussian_noise(value, ctx.key, ctx.noise_multiplier * ctx.sensitivity), state
 
     return Stage(name="noise.gaussian", kind_in=Kind.AGGREGATE, kind_out=Kind.RELEASED,
-                 apply=apply, is_release=True)
+                 make=stateless(apply), is_release=True)

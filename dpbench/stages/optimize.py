@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import optax
 
-from dpbench.stages.base import Kind, Stage, StageInfo, register_stage, requires_build
+from dpbench.stages.base import Kind, Stage, StageFns, StageInfo, register_stage
 
 OPTIMIZERS = ("sgd", "momentum", "adam")
 SCHEDULES = ("constant", "cosine", "warmup_cosine", "linear")
@@ -48,21 +48,19 @@ def optax_optimizer(optimizer: str = "momentum", learning_rate: float = 1.0,
     options = dict(optimizer=optimizer, learning_rate=learning_rate, momentum=momentum,
                    nesterov=nesterov, schedule=schedule, warmup_steps=warmup_steps)
 
-    def build(stage: Stage, info: StageInfo) -> Stage:
+    def make(info: StageInfo) -> StageFns:
         transform = make_optimizer(
             optimizer, make_schedule(schedule, learning_rate, info.total_steps, warmup_steps),
             momentum, nesterov)
 
-        def init(params, key, info):
-            del key, info
+        def init(params, key):
+            del key
             return transform.init(params)
 
         def apply(grads, state, ctx):
             return transform.update(grads, state, ctx.params)
 
-        return Stage(name=stage.name, kind_in=stage.kind_in, kind_out=stage.kind_out,
-                     apply=apply, init=init, options=stage.options)
-
+        return StageFns(apply=apply, init=init)
 
     return Stage(name="optimize.optax", kind_in=Kind.RELEASED, kind_out=Kind.UPDATES,
-                 apply=requires_build("optimize.optax"), build=build, options=options)
+                 make=make, options=options)

@@ -8,13 +8,11 @@ weight, and momentum never builds up there).
 
 from __future__ import annotations
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 
-from dpbench.stages.base import (
-    InitRelease, Kind, Stage, StageInfo, register_stage, requires_build)
+from dpbench.stages.base import (Kind, Mask, OneOffRelease, Stage, StageFns, StageInfo,
+                                 apply_mask, register_stage)
 
 
 def is_prunable(leaf) -> bool:
@@ -38,19 +36,24 @@ def random_layer_mask(params, key, sparsity: float):
     return jax.tree.unflatten(treedef, masks)
 
 
-def _masking_stage(name: str, mask_fn, options: dict) -> Stage:
-    def init(params, key, info):
-        del info
-        return {"mask": mask_fn(params, key)}
+def _mask_values(values, state, ctx=None):
+    del ctx
+    return apply_mask(values, state["mask"])
 
-    def mask_values(values, state, ctx=None):
-        del ctx
-        return jax.tree.map(jnp.multiply, values, state["mask"])
 
-    return Stage(name=name, kind_in=Kind.PER_EXAMPLE, kind_out=Kind.PER_EXAMPLE,
-                 apply=mask_values, init=init, after_release=mask_values,
-                 prepare_params=lambda params, state: mask_values(params, state),
-                 options=options)
+def _masking_stage(name: str, make_mask, options: dict, fns: dict = None,
+                   **declarations) -> Stage:
+    """A pre-pruning stage: ``make_mask(info) -> (params, key) -> mask`` is its public mask,
+    fixed at init; it masks every per-example gradient (apply), the release and the initial
+    parameters (the compiler, ``public_mask``). ``fns``: further step functions."""
+    def make(info: StageInfo) -> StageFns:
+        mask_fn = make_mask(info)
+        return StageFns(apply=_mask_values,
+                        init=lambda params, key: {"mask": mask_fn(params, key)}, **(fns or {}))
+
+    return Stage(name=name, kind_in=Kind.PER_EXAMPLE, kind_out=Kind.PER_EXAMPLE, make=make,
+                 public_mask=frozenset({Mask.RELEASED, Mask.PARAMS}), options=options,
+                 **declarations)
 
 
 @register_stage("prune.random")
@@ -58,9 +61,9 @@ def random(sparsity: float = 0.5) -> Stage:
     """Random per-layer pre-pruning: data-free, so it costs no privacy."""
     if not 0.0 <= sparsity < 1.0:
         raise ValueError(f"prune.random.sparsity must lie in [0, 1), got {sparsity!r}")
-    return _masking_stage("prune.random",
-                          lambda params, key: random_layer_mask(params, key, sparsity),
-                          dict(sparsity=sparsity))
+    return _masking_stage(
+        "prune.random", lambda info: lambda params, key: random_layer_mask(params, key, sparsity),
+        dict(sparsity=sparsity))
 
 
 def synflow_mask(params, linear_apply, example_shape, sparsity: float, iterations: int):
@@ -102,15 +105,14 @@ def synflow(sparsity: float = 0.5, iterations: int = 100) -> Stage:
         raise ValueError(f"prune.synflow.iterations must be an integer >= 1, got {iterations!r}")
     options = dict(sparsity=sparsity, iterations=iterations)
 
-    def build(stage: Stage, info: StageInfo) -> Stage:
+    def make_mask(info: StageInfo):
         if info.linear_apply is None:
             raise ValueError("prune.synflow needs the model's linearized twin (the train loop "
                              "passes it); pass linear_apply= to compile_pipeline")
-        return _masking_stage("prune.synflow", lambda params, key: synflow_mask(
-            params, info.linear_apply, info.example_shape, sparsity, iterations), options)
+        return lambda params, key: synflow_mask(params, info.linear_apply, info.example_shape,
+                                                sparsity, iterations)
 
-    return Stage(name="prune.synflow", kind_in=Kind.PER_EXAMPLE, kind_out=Kind.PER_EXAMPLE,
-                 apply=requires_build("prune.synflow"), build=build, options=options)
+    return _masking_stage("prune.synflow", make_mask, options)
 
 
 def top_fraction_mask(scores, params, keep_fraction: float):
@@ -129,9 +131,11 @@ def connection_scores(params, grads):
     return jax.tree.map(jnp.multiply, params, grads)
 
 
-def _needs_release(params, key):
-    raise RuntimeError("prune.dp_snip's state comes from its accounted release; the compiler "
-                       "calls init_release.init")
+def _needs_release(info):
+    def mask(params, key):
+        raise RuntimeError("prune.dp_snip's state comes from its accounted release; the "
+                           "compiler calls init_from_release")
+    return mask
 
 
 @register_stage("prune.dp_snip")
@@ -158,9 +162,10 @@ def dp_snip(sparsity: float = 0.5, l2_bound: float = 1.0,
         return {"mask": top_fraction_mask(jax.tree.map(jnp.abs, released), params,
                                           1.0 - sparsity)}
 
-    stage = _masking_stage("prune.dp_snip", _needs_release, dict(
-        sparsity=sparsity, l2_bound=l2_bound, epsilon_fraction=epsilon_fraction))
-    return dataclasses.replace(stage, init_release=InitRelease(
-        l2_bound=l2_bound, epsilon_fraction=epsilon_fraction, init=init_from_release,
-        per_example=connection_scores,
-        released="the sum of clipped per-example connection scores theta * grad (DP-SNIP)"))
+    return _masking_stage(
+        "prune.dp_snip", _needs_release,
+        dict(sparsity=sparsity, l2_bound=l2_bound, epsilon_fraction=epsilon_fraction),
+        one_off_release=OneOffRelease(
+            l2_bound=l2_bound, epsilon_fraction=epsilon_fraction,
+            released="the sum of clipped per-example connection scores theta * grad (DP-SNIP)"),
+        fns=dict(release_value=connection_scores, init_from_release=init_from_release))

@@ -44,7 +44,7 @@ import numpy as np
 from jax.flatten_util import ravel_pytree
 
 from dpbench import accounting, exact
-from dpbench.stages.base import Kind, Stage, StageInfo, register_stage, requires_build
+from dpbench.stages.base import Kind, Mask, Stage, StageFns, StageInfo, register_stage
 
 SCHEDULES = ("linear", "exponential", "constant")
 
@@ -107,9 +107,9 @@ def mallows_flip(reference, distance, priority):
     return jnp.where(flip, 1.0 - reference, reference).astype(reference.dtype)
 
 
-def _mask_after_release(released, state, ctx):
-    del ctx
-    return jax.tree.map(jnp.multiply, released, state["mask"])
+def _ones_mask(params, key):
+    del key
+    return {"mask": jax.tree.map(jnp.ones_like, params)}
 
 
 def _validate(name, group_size, k_start, k_end, schedule):
@@ -138,14 +138,17 @@ def gip(group_size: int = 256, k_start: float = 1.0, k_end: float = 0.1,
     options = dict(group_size=group_size, k_start=k_start, k_end=k_end, schedule=schedule,
                    index_fraction=index_fraction)
 
-    def build(stage: Stage, info: StageInfo) -> Stage:
+    def epsilon_per_step(info: StageInfo) -> float:
         if info.target_epsilon is None:
             raise ValueError("select.gip needs a target epsilon to split its index budget; "
                              "do not set train.noise_multiplier with GIP")
+        return index_fraction * info.target_epsilon / info.total_steps
+
+    def make(info: StageInfo) -> StageFns:
         total = info.total_steps
         size = sum(math.prod(x.shape) for x in jax.tree.leaves(info.param_shapes))
         groups = -(-size // group_size)
-        eps_step = index_fraction * info.target_epsilon / total
+        eps_step = epsilon_per_step(info)
         laws = {}  # m -> exact distance sampler (m takes at most group_size + 1 values)
 
         def host_inputs(step, rng):
@@ -160,10 +163,6 @@ def gip(group_size: int = 256, k_start: float = 1.0, k_end: float = 0.1,
                                             (groups, 1)), axis=1)
             return {"m": np.int32(m), "distance": distance, "priority": priority}
 
-        def init(params, key, info):
-            del info
-            return {"mask": jax.tree.map(jnp.ones_like, params)}
-
         def apply(value, state, ctx):
             grouped, n, unravel = _to_groups(value, group_size)
             drawn = ctx.host_inputs
@@ -171,27 +170,18 @@ def gip(group_size: int = 256, k_start: float = 1.0, k_end: float = 0.1,
             released = mallows_flip(reference, drawn["distance"], drawn["priority"])
             return value, {"mask": _from_groups(released, n, unravel)}
 
-        def step_event(info):
-            del info
-            return accounting.PureDpEvent(eps_step)
+        mechanism = (f"Mallows index release of the top-k set of each of {groups} groups of "
+                     f"{group_size} coordinates (each group {eps_step / groups:.4g}-DP with "
+                     "theta = eps_group / min(2m, 2(l - m)), the groups of a step by basic "
+                     "composition; sampled exactly on the host)")
+        return StageFns(apply=apply, init=_ones_mask, host_inputs=host_inputs, facts=dict(
+            eps_index_per_step=eps_step, groups=groups, eps_index_per_group=eps_step / groups,
+            mechanism=mechanism))
 
-        return Stage(name=stage.name, kind_in=Kind.AGGREGATE, kind_out=Kind.AGGREGATE,
-                     apply=apply, init=init, lipschitz=1.0, dp_event=step_event,
-                     after_release=_mask_after_release, host_inputs=host_inputs,
-                     options=dict(options, eps_index_per_step=eps_step, groups=groups,
-                                  eps_index_per_group=eps_step / groups, mechanism=(
-                                      f"Mallows index release of the top-k set of each of "
-                                      f"{groups} groups of {group_size} coordinates (each group "
-                                      f"{eps_step / groups:.4g}-DP with theta = eps_group / "
-                                      "min(2m, 2(l - m)), the groups of a step by basic "
-                                      "composition; sampled exactly on the host)")))
-
-
-    # Declared at factory time too, so validation sees a priced mechanism.
     return Stage(name="select.gip", kind_in=Kind.AGGREGATE, kind_out=Kind.AGGREGATE,
-                 apply=requires_build("select.gip"), lipschitz=1.0,
-                 dp_event=lambda info: None, build=build,
-                 options=options)
+                 make=make, lipschitz=1.0,
+                 cost=lambda info: accounting.PureDpEvent(epsilon_per_step(info)),
+                 public_mask=frozenset({Mask.RELEASED}), options=options)
 
 
 @register_stage("select.random_k")
@@ -201,11 +191,10 @@ def random_k(group_size: int = 256, k_start: float = 1.0, k_end: float = 0.5,
     _validate("select.random_k", group_size, k_start, k_end, schedule)
     options = dict(group_size=group_size, k_start=k_start, k_end=k_end, schedule=schedule)
 
-    def build(stage: Stage, info: StageInfo) -> Stage:
+    def make(info: StageInfo) -> StageFns:
         total = info.total_steps
 
-        def init(params, key, info):
-            del info
+        def init(params, key):
             return {"mask": jax.tree.map(jnp.ones_like, params), "key": key}
 
         def apply(value, state, ctx):
@@ -216,12 +205,8 @@ def random_k(group_size: int = 256, k_start: float = 1.0, k_end: float = 0.5,
             mask = top_m_mask(scores, jnp.round(k * group_size))  # depends on no private value
             return value, {"mask": _from_groups(mask, n, unravel), "key": state["key"]}
 
-        return Stage(name=stage.name, kind_in=Kind.AGGREGATE, kind_out=Kind.AGGREGATE,
-                     apply=apply, init=init, lipschitz=1.0, reads_private=False,
-                     after_release=_mask_after_release, options=options)
-
+        return StageFns(apply=apply, init=init)
 
     return Stage(name="select.random_k", kind_in=Kind.AGGREGATE, kind_out=Kind.AGGREGATE,
-                 apply=requires_build("select.random_k"), lipschitz=1.0, reads_private=False,
-                 build=build,
-                 options=options)
+                 make=make, lipschitz=1.0, reads_private=False,
+                 public_mask=frozenset({Mask.RELEASED}), options=options)

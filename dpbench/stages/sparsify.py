@@ -5,7 +5,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from dpbench.stages.base import Kind, Stage, StageInfo, register_stage, requires_build
+from dpbench.stages.base import (Kind, Mask, Stage, StageFns, StageInfo, apply_mask,
+                                 register_stage)
 
 COOLING = ("linear", "none")
 
@@ -43,31 +44,25 @@ def random_mask(final_rate: float = 0.5, cooling: str = "linear") -> Stage:
                          f"got {cooling!r}")
     options = dict(final_rate=final_rate, cooling=cooling)
 
-    def build(stage: Stage, info: StageInfo) -> Stage:
+    def make(info: StageInfo) -> StageFns:
         steps_per_epoch = max(info.steps_per_epoch, 1)
         num_epochs = max(-(-info.total_steps // steps_per_epoch), 1)
 
-        def init(params, key, info):
-            del params, info
-            return {"mask_key": key}
+        def init(params, key):
+            return {"mask_key": key, "mask": jax.tree.map(jnp.ones_like, params)}
 
-        def mask_for(step, state, like):
-            epoch = step // steps_per_epoch
+        def begin_step(state, ctx):
+            # Once per step, from public inputs only (the stage key and the step's epoch).
+            epoch = ctx.step // steps_per_epoch
             rate = sparsification_rate(epoch, num_epochs, final_rate, cooling)
-            return epoch_mask(state["mask_key"], epoch, rate, like)
+            return dict(state, mask=epoch_mask(state["mask_key"], epoch, rate, ctx.params))
 
         def apply(grads, state, ctx):
-            mask = mask_for(ctx.step, state, grads)
-            return jax.tree.map(jnp.multiply, grads, mask)
+            del ctx
+            return apply_mask(grads, state["mask"])
 
-        def after_release(released, state, ctx):
-            mask = mask_for(ctx.step, state, released)
-            return jax.tree.map(jnp.multiply, released, mask)
-
-        return Stage(name=stage.name, kind_in=Kind.PER_EXAMPLE, kind_out=Kind.PER_EXAMPLE,
-                     apply=apply, init=init, after_release=after_release, options=options)
-
+        return StageFns(apply=apply, init=init, begin_step=begin_step)
 
     return Stage(name="sparsify.random_mask", kind_in=Kind.PER_EXAMPLE,
-                 kind_out=Kind.PER_EXAMPLE, apply=requires_build("sparsify.random_mask"),
-                 build=build, options=options)
+                 kind_out=Kind.PER_EXAMPLE, make=make, public_mask=frozenset({Mask.RELEASED}),
+                 options=options)

@@ -6,13 +6,14 @@ import optax
 import pytest
 
 from dpbench import stages
+from tests.conftest import made
 
 
 @pytest.mark.parametrize("l2_bound", [0.1, 1.0, 7.5])
 def test_clipped_norms_are_at_most_the_bound(l2_bound):
     rng = np.random.default_rng()
     stage = stages.clip.global_l2(l2_bound)
-    clip = jax.jit(jax.vmap(lambda t: stage.apply(t, (), None)))
+    clip = jax.jit(jax.vmap(lambda t: made(stage).apply(t, (), None)))
     scales = 10.0 ** rng.uniform(-4, 4, size=(256, 1))
     tree = {"w": (rng.normal(size=(256, 30)) * scales).astype(np.float32),
             "b": (rng.normal(size=(256, 3)) * scales).astype(np.float32)}
@@ -28,10 +29,10 @@ def test_clipped_norms_are_at_most_the_bound(l2_bound):
 
 def test_zero_vector_stays_zero_and_infinite_bound_is_identity():
     zero = {"w": np.zeros(5, np.float32)}
-    out = jax.jit(lambda t: stages.clip.global_l2(1.0).apply(t, (), None))(zero)
+    out = jax.jit(lambda t: made(stages.clip.global_l2(1.0)).apply(t, (), None))(zero)
     assert np.all(np.isfinite(out["w"])) and np.all(out["w"] == 0)
     big = {"w": np.full(5, 1e6, np.float32)}
-    out = stages.clip.global_l2(math.inf).apply(big, (), None)
+    out = made(stages.clip.global_l2(math.inf)).apply(big, (), None)
     np.testing.assert_array_equal(out["w"], big["w"])
 
 

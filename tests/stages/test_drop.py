@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 
 from dpbench import stages
-from dpbench.stages.base import StepContext
-from tests.conftest import compile_small, make_batch, random_data
+from dpbench.stages.base import Mask, StepContext, apply_mask
+from tests.conftest import compile_small, made, make_batch, random_data
 
 
 def _ctx(params, step):
@@ -14,7 +14,7 @@ def _ctx(params, step):
 
 def _at_step(stage, state, params, step):
     """The stage's state after its once-per-step begin_step (as the compiled step runs it)."""
-    return stage.begin_step(state, _ctx(params, step))
+    return made(stage).begin_step(state, _ctx(params, step))
 
 
 @pytest.mark.parametrize("criterion", ["random", "magnitude"])
@@ -23,9 +23,9 @@ def test_drops_exactly_the_rate_per_layer(criterion):
     params = {"a": jnp.asarray(rng.normal(size=(40, 25)), jnp.float32),
               "b": jnp.asarray(rng.normal(size=(7,)), jnp.float32)}
     stage = stages.drop.gradients(rate=0.6, criterion=criterion)
-    state = stage.init(params, jax.random.key(1), None)
+    state = made(stage).init(params, jax.random.key(1))
     ones = jax.tree.map(jnp.ones_like, params)
-    out = jax.jit(lambda g: stage.apply(g, _at_step(stage, state, params, 3),
+    out = jax.jit(lambda g: made(stage).apply(g, _at_step(stage, state, params, 3),
                                         _ctx(params, 3)))(ones)
     assert int(jnp.sum(out["a"] == 0)) == int(0.6 * 1000)
     assert int(jnp.sum(out["b"] == 0)) == 0  # biases are never dropped
@@ -45,8 +45,8 @@ def test_the_rate_applies_to_the_weights_left_after_pre_pruning(criterion):
     weights.ravel()[pruned] = 0.0
     params = {"w": jnp.asarray(weights)}
     stage = stages.drop.gradients(rate=0.5, criterion=criterion)
-    state = stage.init(params, jax.random.key(1), None)
-    out = jax.jit(lambda g: stage.apply(g, _at_step(stage, state, params, 2),
+    state = made(stage).init(params, jax.random.key(1))
+    out = jax.jit(lambda g: made(stage).apply(g, _at_step(stage, state, params, 2),
                                         _ctx(params, 2)))({"w": jnp.ones((40, 50))})
     kept = np.asarray(out["w"]).ravel() != 0
     assert not np.any(kept & pruned)          # pruned weights are never updated
@@ -56,8 +56,8 @@ def test_the_rate_applies_to_the_weights_left_after_pre_pruning(criterion):
 def test_random_mask_is_fresh_each_step_and_independent_of_private_values():
     params = {"w": jnp.ones((50, 100))}
     stage = stages.drop.gradients(rate=0.5, criterion="random")
-    state = stage.init(params, jax.random.key(2), None)
-    apply = jax.jit(lambda g, s: stage.apply(g, _at_step(stage, state, params, s),
+    state = made(stage).init(params, jax.random.key(2))
+    apply = jax.jit(lambda g, s: made(stage).apply(g, _at_step(stage, state, params, s),
                                              _ctx(params, s)))
     ones = {"w": jnp.ones((50, 100))}
     private = {"w": jnp.asarray(np.random.default_rng().normal(size=(50, 100)) + 5,
@@ -69,11 +69,12 @@ def test_random_mask_is_fresh_each_step_and_independent_of_private_values():
 def test_noise_is_removed_on_dropped_coordinates():
     params = {"w": jnp.asarray(np.random.default_rng().normal(size=(30, 100)), jnp.float32)}
     stage = stages.drop.gradients(rate=0.3, criterion="magnitude")
-    state = stage.init(params, jax.random.key(0), None)
+    state = made(stage).init(params, jax.random.key(0))
     noisy = {"w": jnp.full((30, 100), 2.0)}
     state = _at_step(stage, state, params, 0)
-    out = stage.after_release(noisy, state, _ctx(params, 0))["w"]
-    mask = stage.apply({"w": jnp.ones((30, 100))}, state, _ctx(params, 0))["w"]
+    assert Mask.RELEASED in stage.public_mask  # the compiler masks the release with it
+    out = apply_mask(noisy, state["mask"])["w"]
+    mask = made(stage).apply({"w": jnp.ones((30, 100))}, state, _ctx(params, 0))["w"]
     np.testing.assert_array_equal(out, 2.0 * mask)
 
 

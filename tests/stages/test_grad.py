@@ -4,13 +4,13 @@ import numpy as np
 
 from dpbench import stages
 from dpbench.stages.base import StepContext
-from tests.conftest import small_model
+from tests.conftest import made, small_model
 
 
 def _per_example_grads(stage, params, loss_fn, images, labels, key):
     def one(image, label, k):
         ctx = StepContext(params=params, step=jnp.zeros((), jnp.int32), key=k, loss_fn=loss_fn)
-        grads, _ = stage.apply({"image": image, "label": label}, (), ctx)
+        grads, _ = made(stage).apply({"image": image, "label": label}, (), ctx)
         return grads
     keys = jax.random.split(key, images.shape[0])
     return jax.jit(jax.vmap(one))(images, labels, keys)
@@ -56,7 +56,7 @@ def test_augmult_averages_k_augmented_gradients():
     stage = stages.grad.per_example(augmult=3, augmentation="crop_flip", crop_padding=2)
     key = jax.random.key(7)
     ctx = StepContext(params=params, step=jnp.zeros((), jnp.int32), key=key, loss_fn=loss_fn)
-    got, _ = jax.jit(lambda e: stage.apply(e, (), ctx))({"image": image, "label": 1})
+    got, _ = jax.jit(lambda e: made(stage).apply(e, (), ctx))({"image": image, "label": 1})
     keys = jax.random.split(key, 3)
     grads = [jax.grad(loss_fn)(params, stages.grad.augment_image(k, image, "crop_flip", 2), 1)
              for k in keys]

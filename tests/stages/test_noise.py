@@ -6,6 +6,7 @@ import scipy.stats
 
 from dpbench import stages
 from dpbench.stages.base import StepContext
+from tests.conftest import made
 
 
 def std_test_pvalue(samples, stddev):
@@ -21,7 +22,7 @@ def _release(sigma, l2_bound, key):
     zeros = {"a": jnp.zeros((300, 300)), "b": jnp.zeros((20000,))}
     ctx = StepContext(params=None, step=jnp.zeros((), jnp.int32), key=key,
                       noise_multiplier=sigma, sensitivity=l2_bound)
-    out, _ = jax.jit(lambda v: stage.apply(v, (), ctx))(zeros)
+    out, _ = jax.jit(lambda v: made(stage).apply(v, (), ctx))(zeros)
     return out
 
 

@@ -4,14 +4,14 @@ import numpy as np
 import pytest
 
 from dpbench import stages
-from tests.conftest import compile_small, make_batch, random_data
+from tests.conftest import compile_small, made, make_batch, random_data
 
 
 def test_random_prune_removes_the_fraction_per_layer_and_keeps_biases():
     params = {"Dense_0": {"kernel": jnp.ones((30, 20)), "bias": jnp.ones((20,))},
               "Dense_1": {"kernel": jnp.ones((20, 4)), "bias": jnp.ones((4,))}}
     stage = stages.prune.random(sparsity=0.7)
-    state = jax.jit(lambda p: stage.init(p, jax.random.key(3), None))(params)
+    state = jax.jit(lambda p: made(stage).init(p, jax.random.key(3)))(params)
     mask = state["mask"]
     assert int(jnp.sum(mask["Dense_0"]["kernel"] == 0)) == int(0.7 * 600)
     assert int(jnp.sum(mask["Dense_1"]["kernel"] == 0)) == int(0.7 * 80)
@@ -70,12 +70,12 @@ def test_dp_snip_release_is_in_the_ledger_and_costs_epsilon():
                                budget=budget, total_steps=100)
     base, _, _ = compile_small([s for i, s in enumerate(_snip_pipeline()) if i != 1], n=1000,
                                batch_size=50, micro=10, budget=budget, total_steps=100)
-    assert snip.needs_release_batch and len(snip.pre_mechanisms) == 1
+    assert snip.needs_release_batch and len(snip.accounting.pre_mechanisms) == 1
     assert snip.epsilon_after(0) > 0                       # spent before the first step
     assert 2.0 - 1e-3 < snip.epsilon_after(100) <= 2.0     # the whole run meets the target
     assert snip.noise_multiplier > base.noise_multiplier   # so training noise is larger
     # the one-off release alone spends about its share (20%) of epsilon
-    alone = accounting.epsilon_of(snip.pre_mechanisms[0].event, budget)
+    alone = accounting.epsilon_of(snip.accounting.pre_mechanisms[0].event, budget)
     assert alone == pytest.approx(0.4, abs=1e-3)
 
 
@@ -106,8 +106,8 @@ def test_dp_snip_clips_each_examples_connection_scores_theta_times_grad():
     rng = np.random.default_rng()
     params = {"w": jnp.asarray(rng.normal(size=(6, 5)) * 3.0, jnp.float32)}
     grads = {"w": jnp.asarray(rng.normal(size=(6, 5)) * 10.0, jnp.float32)}
-    release = stage.init_release
-    scores = jax.jit(release.per_example)(params, grads)
+    release = stage.one_off_release
+    scores = jax.jit(made(stage).release_value)(params, grads)
     np.testing.assert_allclose(scores["w"], params["w"] * grads["w"], rtol=1e-6)
     from dpbench.stages.clip import clip_to_l2
     clipped = jax.jit(lambda v: clip_to_l2(v, release.l2_bound))(scores)

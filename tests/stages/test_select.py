@@ -79,7 +79,7 @@ def _gip_stage(group_size, k, target_epsilon, total_steps=1, index_fraction=0.5)
     info = stages.StageInfo(total_steps=total_steps, steps_per_epoch=1, expected_batch_size=4,
                             dataset_size=40, target_epsilon=target_epsilon,
                             param_shapes={"w": jax.ShapeDtypeStruct((group_size,), jnp.float32)})
-    return stage.build(stage, info)
+    return stage.make(info)
 
 
 def test_gip_index_release_law_on_a_tiny_domain():
@@ -88,7 +88,7 @@ def test_gip_index_release_law_on_a_tiny_domain():
     15 sets), and the worst log-probability ratio over all reference pairs is eps_group."""
     l, m, n = 6, 2, 20_000
     built = _gip_stage(l, m / l, target_epsilon=2.4)  # eps_group = 0.5 * 2.4 = 1.2
-    eps_group = built.options["eps_index_per_group"]
+    eps_group = built.facts["eps_index_per_group"]
     theta = float(select.index_theta(Fraction(eps_group), m, l))
     values = jnp.asarray([0.1, 3.0, -0.2, 0.05, -2.0, 0.3])  # top-2 by magnitude: {1, 4}
     rng = np.random.default_rng()
@@ -175,8 +175,8 @@ def test_random_k_mask_does_not_depend_on_private_values():
     stage = stages.select.random_k(group_size=8)
     info = stages.StageInfo(total_steps=10, steps_per_epoch=5, expected_batch_size=4,
                             dataset_size=40, param_shapes=None)
-    built = stage.build(stage, info)
-    state = built.init({"w": jnp.zeros(40)}, jax.random.key(0), info)
+    built = stage.make(info)
+    state = built.init({"w": jnp.zeros(40)}, jax.random.key(0))
     ctx = stages.StepContext(params=None, step=jnp.asarray(6), key=jax.random.key(9))
     a = built.apply({"w": jnp.ones(40)}, state, ctx)[1]["mask"]
     b = built.apply({"w": jnp.asarray(np.random.default_rng().normal(size=40))}, state,

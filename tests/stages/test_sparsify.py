@@ -4,18 +4,24 @@ import numpy as np
 import pytest
 
 from dpbench import stages
-from dpbench.stages.base import StageInfo, StepContext
+from dpbench.stages.base import Mask, StageInfo, StepContext, apply_mask
 
 
 def _built(final_rate=0.6, cooling="linear", steps_per_epoch=10, total_steps=50):
     stage = stages.sparsify.random_mask(final_rate=final_rate, cooling=cooling)
     info = StageInfo(total_steps=total_steps, steps_per_epoch=steps_per_epoch,
                      expected_batch_size=8, dataset_size=80, param_shapes=None)
-    return stage.build(stage, info)
+    return stage.make(info)
 
 
-def _ctx(step):
-    return StepContext(params=None, step=jnp.asarray(step, jnp.int32), key=jax.random.key(0))
+def _ctx(step, n=200_000):
+    return StepContext(params={"w": jnp.zeros((n,))}, step=jnp.asarray(step, jnp.int32),
+                       key=jax.random.key(0))
+
+
+def _at(fns, state, step, n=200_000):
+    """The state after the step's begin_step (the epoch mask), as the compiled step makes it."""
+    return fns.begin_step(state, _ctx(step, n))
 
 
 def test_rate_ramps_linearly_from_zero_to_the_final_rate():
@@ -25,10 +31,10 @@ def test_rate_ramps_linearly_from_zero_to_the_final_rate():
 
 
 def test_mask_drops_the_scheduled_fraction_is_per_epoch_and_data_independent():
-    stage = _built(final_rate=0.6)
-    state = stage.init(None, jax.random.key(3), None)
+    fns = _built(final_rate=0.6)
+    state = fns.init({"w": jnp.zeros((200_000,))}, jax.random.key(3))
     ones = {"w": jnp.ones((200_000,))}
-    apply = jax.jit(lambda g, s: stage.apply(g, state, _ctx(s)))
+    apply = jax.jit(lambda g, s: fns.apply(g, _at(fns, state, s), _ctx(s)))
     last_epoch = apply(ones, 45)["w"]
     assert abs(float(jnp.mean(last_epoch == 0)) - 0.6) < 0.01          # epoch 4 of 5: rate 0.6
     assert float(jnp.mean(apply(ones, 3)["w"] == 0)) == 0.0             # epoch 0: rate 0
@@ -39,9 +45,10 @@ def test_mask_drops_the_scheduled_fraction_is_per_epoch_and_data_independent():
 
 
 def test_noise_survives_only_on_kept_coordinates():
-    stage = _built(final_rate=0.5, cooling="none")
-    state = stage.init(None, jax.random.key(1), None)
-    noisy = {"w": jnp.ones((10_000,))}
-    kept = jax.jit(lambda r: stage.after_release(r, state, _ctx(12)))(noisy)["w"]
-    mask = stage.apply({"w": jnp.ones((10_000,))}, state, _ctx(12))["w"]
-    np.testing.assert_array_equal(kept, mask)
+    stage = stages.sparsify.random_mask(final_rate=0.5, cooling="none")
+    assert stage.public_mask == {Mask.RELEASED}  # the compiler masks the release with it
+    fns = _built(final_rate=0.5, cooling="none")
+    state = _at(fns, fns.init({"w": jnp.zeros((10_000,))}, jax.random.key(1)), 12, 10_000)
+    kept = jax.jit(lambda r: apply_mask(r, state["mask"]))({"w": jnp.full((10_000,), 3.0)})
+    mask = fns.apply({"w": jnp.ones((10_000,))}, state, _ctx(12, 10_000))["w"]
+    np.testing.assert_array_equal(kept["w"], 3.0 * mask)

@@ -1,4 +1,4 @@
-"""Speed benchmark: ``python -m dpbench.bench [--out=report.md]`` (or ``bash tools/bench.sh``).
+"""Speed benchmark: ``python -m benchmarks.speed [--out=report.md]`` (or ``bash tools/bench.sh``).
 
 Measures, on the configured data and model (default Fashion-MNIST, tanh CNN), the median step
 time over ``--steps`` steps after ``--warmup`` steps of:
@@ -18,7 +18,7 @@ time over ``--steps`` steps after ``--warmup`` steps of:
 * sigma calibration for the DP-SGD run's budget with RDP and with PLD.
 
 Every configuration runs in a fresh subprocess (``--worker=spec.json``), so its peak resident
-memory (VmHWM of /proc/self/status) is its own. Each step's batch is sampled before the loop,
+memory (ru_maxrss, the kernel's VmHWM) is its own. Each step's batch is sampled before the loop,
 gathered from the in-memory dataset and placed on the device (blocked until ready) before that
 step's timer starts; the timer covers the step and ``block_until_ready`` of its outputs. The
 report (markdown, plus the same numbers as JSON next to it) holds the command, machine facts,
@@ -96,14 +96,8 @@ flags.DEFINE_string("worker", None, "Internal: run the configuration in this JSO
 # ---------------------------------------------------------------------------------------------
 
 def peak_rss_mib() -> float:
-    """This process's resident-memory high-water mark (VmHWM), in MiB."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) / 1024.0
-    except OSError:
-        pass
+    """This process's resident-memory high-water mark, in MiB (stdlib ``resource``: ru_maxrss
+    is the same VmHWM the kernel keeps, in KiB on Linux)."""
     import resource
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
 
@@ -131,11 +125,11 @@ def _timed_loop(num_steps: int, warmup: int, prepare, run_step) -> dict:
 
 
 def _parse(spec: dict, with_sigma: bool):
-    from dpbench import main as dpmain
+    from dpbench import config as dpconfig
     bindings = list(spec["bindings"])
     if with_sigma and spec.get("noise_multiplier") is not None:
         bindings.append(f"train.noise_multiplier = {float(spec['noise_multiplier'])!r}")
-    dpmain.parse_config(spec["gin_files"], bindings)
+    dpconfig.parse_config(spec["gin_files"], bindings)
 
 
 def build_dp_run(spec: dict):
@@ -150,7 +144,7 @@ def build_dp_run(spec: dict):
     _parse(spec, with_sigma=False)
     _, probe = train.pipeline_stages()
     calibrated = spec.get("noise_multiplier") is None or any(
-        s.dp_event is not None for s in probe)
+        s.cost is not None for s in probe)
     if not calibrated:
         _parse(spec, with_sigma=True)
 
@@ -185,9 +179,8 @@ def worker_dp(spec: dict) -> dict:
 
     def prepare(t):
         s = samples[t]
-        batch = sharding.put_batch(compiled.host_batch({
-            "image": dataset.train.images[s.indices], "label": dataset.train.labels[s.indices],
-            "mask": s.mask}, t), mesh)
+        batch = sharding.put_batch(compiled.host_batch(
+            dataset.train.images[s.indices], dataset.train.labels[s.indices], s.mask, t), mesh)
         return jax.block_until_ready(batch)
 
     def run_step(batch):
@@ -208,7 +201,7 @@ def worker_dp(spec: dict) -> dict:
         sensitivity=compiled.sensitivity, total_steps=run["total_steps"],
         compile_pipeline_s=run["compile_pipeline_s"], final_train_loss=loss,
         param_count=_param_count(holder["state"].params),
-        stages=[dict(name=s.name, **s.options) for s in compiled.stages])
+        stages=compiled.plan.facts())
 
 
 def worker_jax_nonprivate(spec: dict) -> dict:
@@ -225,7 +218,7 @@ def worker_jax_nonprivate(spec: dict) -> dict:
     _, stages = train.pipeline_stages()
     dataset = data.load_dataset()
     n = len(dataset.train)
-    model = models.make_model(dataset.num_classes)
+    model = models.ModelConfig().build(dataset.num_classes)
     total_steps = train.total_steps_for(config.epochs, n, config.batch_size)
     opt_options = stages[-1].options  # optimize.optax, built as its stage builds it
     transform = optimize.make_optimizer(
@@ -416,8 +409,7 @@ def worker_calibration(spec: dict) -> dict:
     out = {}
     for accountant in spec["accountants"]:
         budget = dataclasses.replace(base, accountant=accountant)
-        make_event = lambda s: dataclasses.replace(  # noqa: E731
-            compiled, noise_multiplier=s).run_event()
+        make_event = compiled.accounting.event_at  # noqa: E731
         times, sigma = [], None
         for _ in range(spec["repeats"]):
             start = time.perf_counter()
@@ -523,9 +515,9 @@ def torch_settings(options: Options) -> dict:
     no torch twin here (only the tanh CNN on 28x28x1 has one)."""
     import gin
 
-    from dpbench import main as dpmain, train
+    from dpbench import config as dpconfig, train
 
-    dpmain.parse_config(_gin_files(options, "dpsgd"), _bindings(options, 256))
+    dpconfig.parse_config(_gin_files(options, "dpsgd"), _bindings(options, 256))
     model = dict(gin.get_bindings("model"))
     if model.get("name") != "tanh_cnn" or model.get("group_norm_groups", 0) or \
             model.get("activation", "tanh") != "tanh":
@@ -622,7 +614,7 @@ def run_config(spec: dict, timeout: int, workdir: Path, index: int) -> dict:
     start = time.time()
     try:
         with open(log_path, "w") as log:
-            proc = subprocess.run([sys.executable, "-m", "dpbench.bench", f"--worker={spec_path}"],
+            proc = subprocess.run([sys.executable, "-m", "benchmarks.speed", f"--worker={spec_path}"],
                                   cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT,
                                   timeout=timeout)
         rc = proc.returncode
@@ -739,13 +731,10 @@ def machine_facts() -> dict:
                 break
     except OSError:
         pass
-    ram = None
     try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemTotal:"):
-                ram = int(line.split()[1]) / 1024 / 1024
-    except OSError:
-        pass
+        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1024 ** 3
+    except (ValueError, OSError, AttributeError):
+        ram = None
     affinity = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
     return dict(cpu_model=cpu or platform.processor() or "unknown", cores=os.cpu_count(),
                 cores_available=affinity, ram_gib=ram, platform=platform.platform(),
@@ -963,7 +952,7 @@ def run_benchmark(options: Options) -> dict:
 def options_from_flags(argv) -> Options:
     sigma = FLAGS.noise_multiplier.strip().lower()
     command = os.environ.get(COMMAND_ENV) or " ".join(
-        shlex.quote(a) for a in [sys.executable, "-m", "dpbench.bench", *sys.argv[1:]])
+        shlex.quote(a) for a in [sys.executable, "-m", "benchmarks.speed", *sys.argv[1:]])
     return Options(
         steps=FLAGS.steps, warmup=FLAGS.warmup,
         batch_sizes=tuple(int(b) for b in FLAGS.batch_sizes), pipelines=FLAGS.pipelines,

@@ -1,0 +1,120 @@
+"""Configuration in one place: gin parsing with clear errors, the command-line flags for gin
+files and bindings, the ``pipeline`` and ``train`` configurables, and the repository root.
+
+Every entry point (``dpbench``, ``dpbench audit``, the speed benchmark, the sweep) parses gin
+through :func:`parse_config`. This module imports only the modules that declare configurables
+(stages, budget, dataset, model, sampler), none of which imports it back, so importing it
+registers every configurable a gin file may bind and no import cycle exists.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from pathlib import Path
+from typing import Optional, Sequence
+
+import gin
+from absl import flags
+
+# Imported for their gin configurables (budget, dataset, model, sampler, the stages).
+from dpbench import accounting, data, models, sampling  # noqa: F401
+import dpbench.stages  # noqa: F401
+from dpbench.stages.base import Stage, registered_stage_names
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+flags.DEFINE_multi_string("gin_file", [], "Gin files, applied in order (later ones override).")
+flags.DEFINE_multi_string("gin_bindings", [], "Gin bindings, applied after the files.")
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot run; the message says what to change."""
+
+
+@gin.configurable("pipeline")
+def pipeline_stages(stages: Sequence[Stage] = gin.REQUIRED, name: str = "unnamed") -> tuple:
+    """The pipeline's name and stages, as listed in its gin file (``pipeline.stages = %STAGES``)."""
+    return name, tuple(stages)
+
+
+@gin.configurable("train")
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    """Run-level settings (bind as ``train.batch_size = 2048`` etc.).
+
+    batch_size is the EXPECTED batch size B; the sampling rate is q = B / N.
+    seed=None draws every key from the OS and writes none of them anywhere (for a run that is
+    meant to be released); an integer seed makes a benchmark run reproducible.
+    noise_multiplier=None calibrates sigma to the budget. A given number is used as is and the
+    run stops at the last step whose epsilon fits the budget (the record says why), unless
+    enforce_budget=False (a non-private baseline; the record then says the budget was ignored).
+    A checkpoint (with the privacy ledger) is written every checkpoint_every_steps steps and at
+    the end; the newest checkpoints_to_keep are kept.
+    fidelity_every_steps > 0 records, every that many steps, the cosine between the released
+    update and the clean mean of clipped gradients and the noise-to-signal norm ratio: they read
+    private data, so the record lists them as NON-PRIVATE benchmark output (off by default).
+    """
+
+    batch_size: int = 256
+    epochs: float = 30.0
+    micro_batch_size: int = 64
+    seed: Optional[int] = 0
+    ema_decay: float = 0.0
+    eval_every_steps: int = 0  # 0: once per epoch
+    log_every_steps: int = 50
+    eval_batch_size: int = 1000
+    noise_multiplier: Optional[float] = None
+    enforce_budget: bool = True
+    checkpoint_every_steps: int = 200
+    checkpoints_to_keep: int = 2
+    fidelity_every_steps: int = 0
+
+    def validate(self):
+        if not isinstance(self.batch_size, int) or self.batch_size <= 0:
+            raise ValueError(f"train.batch_size must be a positive integer, got "
+                             f"{self.batch_size!r}")
+        if not isinstance(self.epochs, (int, float)) or not self.epochs > 0:
+            raise ValueError(f"train.epochs must be > 0, got {self.epochs!r}")
+        if not isinstance(self.fidelity_every_steps, int) or self.fidelity_every_steps < 0:
+            raise ValueError(f"train.fidelity_every_steps must be an integer >= 0 (0: off), got "
+                             f"{self.fidelity_every_steps!r}")
+        for name in ("checkpoint_every_steps", "log_every_steps", "checkpoints_to_keep"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"train.{name} must be a positive integer, got {value!r}")
+
+
+def _search_paths() -> list[Path]:
+    return [Path.cwd(), REPO_ROOT]
+
+
+def parse_config(gin_files: Sequence[str], gin_bindings: Sequence[str]) -> None:
+    """Parses gin files and bindings with the cwd and the repo root as include search paths.
+
+    A gin file may pull in a user's own stages with an ``import my_stages`` line: the
+    directories of the given gin files and the cwd are importable for that (a console script
+    does not put the cwd on sys.path by itself). Gin's own errors (unknown configurable,
+    misspelled parameter, missing file, a failing ``import`` line) are re-raised as ConfigError
+    with the list of known stages, so a typo says what the valid names are.
+    """
+    gin.clear_config()
+    for path in map(str, _search_paths()):
+        if path not in gin.config._LOCATION_PREFIXES:  # noqa: SLF001 (gin has no getter)
+            gin.add_config_file_search_path(path)
+    resolved = []
+    for gin_file in gin_files:
+        found = [root / gin_file for root in _search_paths() if (root / gin_file).is_file()]
+        if not found:
+            raise ConfigError(f"gin file {gin_file!r} not found (looked in {Path.cwd()} and "
+                              f"{REPO_ROOT}); pipelines live in pipelines/*.gin")
+        resolved.append(str(found[0].absolute()))  # gin finds only cwd-relative top files
+    for directory in [str(Path.cwd())] + [str(Path(f).parent) for f in resolved]:
+        if directory not in sys.path:
+            sys.path.append(directory)
+    try:
+        gin.parse_config_files_and_bindings(resolved, gin_bindings)
+    except (ValueError, KeyError, SyntaxError, IOError, ImportError) as e:
+        raise ConfigError(f"gin configuration error: {e}\nknown stages: "
+                          f"{', '.join(registered_stage_names())}; check the spelling of "
+                          "configurable and parameter names") from e

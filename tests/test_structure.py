@@ -1,0 +1,81 @@
+"""The package's shape: short functions, and no import cycle (a static check over every import
+statement, function-level ones included: stronger than importing each module alone, which
+succeeds for many cycles)."""
+
+import ast
+
+from tests.conftest import REPO_ROOT
+
+PACKAGE = REPO_ROOT / "dpbench"
+MAX_FUNCTION_LINES = 80
+
+
+def _modules() -> dict:
+    """dotted module name -> path, for every module of the package."""
+    out = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        parts = path.relative_to(REPO_ROOT).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        out[name] = path
+    return out
+
+
+def test_no_function_is_longer_than_80_lines():
+    long = []
+    for name, path in _modules().items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                length = node.end_lineno - node.lineno + 1
+                if length > MAX_FUNCTION_LINES:
+                    long.append(f"{name}.{node.name}: {length} lines")
+    assert not long, long
+
+
+def _imports(path, modules: dict) -> set:
+    """The package modules a file imports, anywhere in it (``from dpbench import x`` counts as
+    dpbench.x when that is a module)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names if a.name in modules)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            if node.module in modules:
+                found.add(node.module)
+            found.update(f"{node.module}.{a.name}" for a in node.names
+                         if f"{node.module}.{a.name}" in modules)
+    return found
+
+
+def _cycle(graph: dict):
+    """One import cycle as a list of modules, or None (depth-first search)."""
+    state, stack = {}, []
+
+    def visit(node):
+        state[node] = "open"
+        stack.append(node)
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == "open":
+                return stack[stack.index(nxt):] + [nxt]
+            if nxt not in state:
+                found = visit(nxt)
+                if found:
+                    return found
+        state[node] = "done"
+        stack.pop()
+        return None
+
+    for node in sorted(graph):
+        if node not in state:
+            found = visit(node)
+            if found:
+                return found
+    return None
+
+
+def test_the_import_graph_has_no_cycle():
+    modules = _modules()
+    graph = {name: _imports(path, modules) - {name} for name, path in modules.items()}
+    assert _cycle(graph) is None, " -> ".join(_cycle(graph))
+    # the check can fail: a made-up back edge is found
+    graph["dpbench.stages.base"] = graph["dpbench.stages.base"] | {"dpbench.compiler"}
+    assert _cycle(graph) is not None

@@ -1,0 +1,63 @@
+"""Adding a stage from OUTSIDE the package: one decorated function in the user's own module,
+pulled in by an ``import`` line of the user's gin file, trains with the ``dpbench`` command;
+a mis-declared one is rejected with its name."""
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+USER_MODULE = textwrap.dedent('''
+    import jax
+
+    from dpbench.stages import Kind, Stage, register_stage, stateless
+
+
+    @register_stage("user.scale")
+    def scale(factor: float = 0.5) -> Stage:
+        """Scales one example's gradient before the clip (the clip bounds whatever it does)."""
+        return Stage(name="user.scale", kind_in=Kind.PER_EXAMPLE, kind_out=Kind.PER_EXAMPLE,
+                     make=stateless(lambda grads, state, ctx: jax.tree.map(
+                         lambda g: factor * g, grads)),
+                     options=dict(factor=factor))
+
+
+    @register_stage("user.peek")
+    def peek() -> Stage:
+        """Mis-declared: reads the private aggregate before the release with no DP cost."""
+        return Stage(name="user.peek", kind_in=Kind.AGGREGATE, kind_out=Kind.AGGREGATE,
+                     lipschitz=1.0, make=stateless(lambda value, state, ctx: (value, state)))
+''')
+
+GIN = textwrap.dedent('''
+    import user_stages
+    include 'pipelines/dpsgd.gin'
+    include 'gin/data/digits.gin'
+    STAGES = [@grad.per_example(), {extra}@clip.global_l2(), {late}@noise.gaussian(),
+              @optimize.optax()]
+    pipeline.name = 'user'
+    user.scale.factor = 0.25
+    train.epochs = 1
+''')
+
+
+def _dpbench(tmp_path: Path, gin_text: str, name: str) -> subprocess.CompletedProcess:
+    (tmp_path / f"{name}.gin").write_text(gin_text)
+    command = Path(sys.executable).parent / "dpbench"  # the installed console script
+    return subprocess.run([str(command), f"--gin_file={name}.gin", f"--workdir={name}-run"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=300)
+
+
+def test_a_users_own_stage_trains_and_a_misdeclared_one_is_rejected(tmp_path):
+    (tmp_path / "user_stages.py").write_text(USER_MODULE)
+    good = _dpbench(tmp_path, GIN.format(extra="@user.scale(), ", late=""), "good")
+    assert good.returncode == 0, good.stderr[-3000:]
+    record = json.loads((tmp_path / "good-run" / "run_record.json").read_text())
+    assert record["stages"][1] == {"name": "user.scale", "factor": 0.25}
+    assert record["epsilon"] <= record["target_epsilon"]
+    bad = _dpbench(tmp_path, GIN.format(extra="", late="@user.peek(), "), "bad")
+    assert bad.returncode == 2
+    assert "stage #2 'user.peek' reads the private aggregate" in bad.stderr
+    assert "DP cost" in bad.stderr
+    assert not (tmp_path / "bad-run" / "run_record.json").exists()

@@ -44,10 +44,15 @@ def sgd():
 def test_correct_pipelines_stay_under_their_claim(gin_file, claimed):
     # fewer GEP anchors than the pipeline's 512 keep the test fast; the mechanism is the same
     bindings = ["gep.embed_and_clip.num_anchors = 128", "gep.embed_and_clip.num_basis = 40"]
+    seed = int(np.random.default_rng().integers(1000))
+    # These mechanisms sit exactly at their claim (calibrated sigma, a Dirac canary), so at the
+    # audit's own alpha = 0.05 a correct pipeline is flagged by chance ~1-2% of the time (seen
+    # in CI: seeds with a canary shift 3 standard errors high). alpha = 1e-4 keeps the false
+    # alarm rate below 1e-4 per test; the broken pipelines below are still flagged at 0.05.
     result = audit.run_audit(pipeline(gin_file, bindings), claimed_epsilon=claimed, trials=1000,
-                             seed=int(np.random.default_rng().integers(1000)))
+                             seed=seed, alpha=1e-4)
     assert abs(result.claimed_epsilon - claimed) < 1e-3
-    assert not result.flagged, result.reasons
+    assert not result.flagged, (seed, result.reasons)
     assert result.epsilon_lb <= result.claimed_epsilon
     assert result.mean_shift > 0  # the canary is visible: the audit is not vacuous
 

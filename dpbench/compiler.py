@@ -506,14 +506,16 @@ def _clipped_sum_fn(plan: Plan, loss_fn: Callable):
             for i in range(plan.num_per_example):
                 ctx = StepContext(params=params, step=step, loss_fn=loss_fn, key=jax.random.
                                   fold_in(jax.random.fold_in(step_key, i), position))
-                if i == clip_index:
-                    # A non-finite gradient would turn the clipped sum into NaN; zero has norm
-                    # 0, so replacing it keeps the clip's bound (and the sensitivity) intact.
-                    value, nonfinite = zero_if_nonfinite(value)
                 if plan.stages[i].kind_in == Kind.EXAMPLE:
                     value, aux = plan.fns[i].apply(value, states[i], ctx)
                 else:
                     value = plan.fns[i].apply(value, states[i], ctx)
+                if i == clip_index:
+                    # A non-finite input leaves the clip non-finite (NaN norm, or inf * 0): such
+                    # a value would turn the sum into NaN. Zero has norm 0, so replacing it keeps
+                    # the clip's bound (and the sensitivity) intact. Checked on the clip's
+                    # OUTPUT: one fused pass (before the clip it cost 20 ms of a 45 ms step).
+                    value, nonfinite = zero_if_nonfinite(value)
             # The loss diagnostic skips examples whose gradient was zeroed as non-finite.
             loss = jnp.where(nonfinite > 0, 0.0, aux["loss"])
             return value, {"loss": loss, "nonfinite": nonfinite}
@@ -590,10 +592,9 @@ def _one_off_release(plan: Plan, acct: Accounting, loss_fn, i: int, params, key,
 
     def per_example(example, position):
         del position
-        grads, _ = zero_if_nonfinite(jax.grad(loss_fn)(params, example["image"],
-                                                       example["label"]))
-        value, _ = zero_if_nonfinite(fns.release_value(params, grads))
-        return clip_to_l2(value, release.l2_bound)
+        grads = jax.grad(loss_fn)(params, example["image"], example["label"])
+        value = clip_to_l2(fns.release_value(params, grads), release.l2_bound)
+        return zero_if_nonfinite(value)[0]  # a non-finite value is zeroed, as in the step
 
     total = masked_sum(per_example, batch)
     return add_gaussian_noise(total, key, acct.init_noise_multiplier * release.l2_bound)

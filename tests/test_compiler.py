@@ -231,7 +231,7 @@ def test_step_on_8_fake_devices_equals_the_1_device_step():
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
-def test_nonfinite_per_example_gradient_is_zeroed_before_the_clip_and_counted():
+def test_nonfinite_per_example_gradient_is_zeroed_at_the_clip_and_counted():
     """One example with a NaN pixel: its gradient is replaced by zeros (norm 0 <= C), so the
     update equals the update of the batch without it, and the step reports one such example."""
     n = 32

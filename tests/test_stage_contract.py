@@ -139,19 +139,21 @@ def _bounded_sum_bound(compiled) -> float:
 
 
 def check_bound(contract):
-    stage, index, compiled, _, images, labels, state = contract
+    stage, index, compiled, model, images, labels, state = contract
     rng = np.random.default_rng()
     clipped_sum = jax.jit(compiled.lowered.clipped_sum)
     bound, parts = _bounded_sum_bound(compiled), compiled.plan.stages[
         compiler.validate_pipeline(compiled.stages).clip_index].parts
     for scale in (1e3, 1e6):
         b = compiled.sampler.sample(0)
-        huge = images.copy()
-        huge[b.indices[0]] = scale * rng.normal(size=SHAPE)  # the adversarial example
-        with_it = make_batch(compiled, huge, labels, b.indices, b.mask)
+        huge, huge_labels = images.copy(), labels.copy()
+        huge[b.indices[0]] = scale * rng.normal(size=SHAPE)  # the adversarial example, with
+        huge_labels[b.indices[0]] = int(jnp.argmin(model.apply(  # its least likely label: a
+            state.params, jnp.asarray(huge[b.indices[0]])[None])[0]))  # large gradient
+        with_it = make_batch(compiled, huge, huge_labels, b.indices, b.mask)
         mask = b.mask.copy()
         mask[0] = False                                          # its neighbour: without it
-        without = make_batch(compiled, huge, labels, b.indices, mask)
+        without = make_batch(compiled, huge, huge_labels, b.indices, mask)
         diff = jax.tree.map(jnp.subtract, clipped_sum(state, with_it),
                             clipped_sum(state, without))
         if parts > 1:

@@ -25,9 +25,13 @@ def zero_if_nonfinite(tree):
     """Returns (tree, 0.0) when every entry is finite, else (zeros, 1.0).
 
     Clipping cannot bound a NaN or an infinity; an all-zero value has norm 0, so replacing a
-    non-finite per-example value by zeros before the clip keeps every clip bound intact.
+    non-finite per-example value by zeros keeps every clip bound intact. One reduction (the sum
+    of squares is finite exactly when every entry is, barring float32 overflow of a finite
+    value, which is then zeroed too: still a value of norm 0) and one select: the previous
+    per-leaf isfinite/all/stack form broke XLA's fusion and cost 20 ms per 256 examples.
     """
-    finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(leaf)) for leaf in jax.tree.leaves(tree)]))
+    squares = sum(jnp.sum(jnp.square(leaf)) for leaf in jax.tree.leaves(tree))
+    finite = jnp.isfinite(squares)
     cleaned = jax.tree.map(lambda leaf: jnp.where(finite, leaf, jnp.zeros_like(leaf)), tree)
     return cleaned, 1.0 - finite.astype(jnp.float32)
 

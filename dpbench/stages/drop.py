@@ -21,24 +21,24 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from dpbench.stages import order
 from dpbench.stages.base import (Kind, Mask, Stage, StageFns, StageInfo, apply_mask,
                                  register_stage)
 
 CRITERIA = ("random", "magnitude")
 
 
-def keep_smallest_dropped(scores: jax.Array, active: jax.Array, rate: float) -> jax.Array:
+def keep_smallest_dropped(keys, active, rate: float):
     """1.0 where the coordinate is kept. Of the ``active`` coordinates, exactly
-    floor(rate * n_active) with the lowest scores are dropped; inactive ones (pre-pruned weights)
-    are always dropped (their gradient is zero anyway). n_active may depend on the (public)
-    parameters, so the count is computed in the graph."""
-    flat, flat_active = scores.ravel(), active.ravel()
-    n_active = jnp.sum(flat_active)
-    n_drop = jnp.floor(rate * n_active).astype(jnp.int32) + (flat.size - n_active)
-    ranked = jnp.where(flat_active, flat, -jnp.inf)   # inactive first
-    rank = jnp.zeros(flat.size, jnp.int32).at[jnp.argsort(ranked)].set(
-        jnp.arange(flat.size, dtype=jnp.int32))
-    return (rank >= n_drop).astype(scores.dtype).reshape(scores.shape)
+    floor(rate * n_active) with the lowest uint32 ``keys`` are dropped (ties by position);
+    inactive ones (pre-pruned weights) are always dropped (their gradient is zero anyway).
+    n_active may depend on the (public) parameters, so the count is computed in the graph."""
+    flat_keys, flat_active = keys.ravel(), active.ravel()
+    n_active = jnp.sum(flat_active, dtype=jnp.int32)
+    n_drop = jnp.floor(rate * n_active).astype(jnp.int32) + (flat_keys.size - n_active)
+    ranked = jnp.where(flat_active, flat_keys, jnp.uint32(0))   # inactive first
+    dropped = order.smallest_mask(ranked, n_drop)
+    return (~dropped).astype(jnp.float32).reshape(keys.shape)
 
 
 def drop_mask(criterion: str, rate: float, params, key, step):
@@ -56,8 +56,10 @@ def drop_mask(criterion: str, rate: float, params, key, step):
         if leaf.ndim < 2:
             masks.append(jnp.ones_like(leaf))
             continue
-        scores = (jax.random.uniform(k, leaf.shape) if criterion == "random"
-                  else jnp.abs(leaf))
+        # uint32 keys: a value sort of integers is ~6x faster than a float argsort on CPU.
+        # Random: 31 random bits + 1 (0 is reserved for inactive); magnitude: |w|'s order key.
+        scores = ((jax.random.bits(k, leaf.shape, jnp.uint32) >> 1) + 1 if criterion == "random"
+                  else order.float_key(jnp.abs(leaf)))
         masks.append(keep_smallest_dropped(scores, leaf != 0, rate).astype(leaf.dtype))
     return jax.tree.unflatten(treedef, masks)
 

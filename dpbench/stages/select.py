@@ -44,6 +44,7 @@ import numpy as np
 from jax.flatten_util import ravel_pytree
 
 from dpbench import accounting, exact
+from dpbench.stages import order
 from dpbench.stages.base import Kind, Mask, Stage, StageFns, StageInfo, register_stage
 
 SCHEDULES = ("linear", "exponential", "constant")
@@ -72,17 +73,10 @@ def _from_groups(groups, size: int, unravel):
     return unravel(groups.reshape(-1)[:size])
 
 
-def row_ranks(scores):
-    """Per row, the rank (0 = smallest; ties by position) of each entry: argsort's inverse
-    permutation, by one sort and a scatter (a second argsort doubled GIP's step overhead)."""
-    order = jnp.argsort(scores, axis=-1)  # stable
-    positions = jnp.broadcast_to(jnp.arange(scores.shape[-1], dtype=order.dtype), order.shape)
-    return jnp.put_along_axis(jnp.zeros_like(order), order, positions, axis=-1, inplace=False)
-
-
 def top_m_mask(values, m):
-    """Per row, 1.0 on the m entries of largest |value| (m may be traced), else 0.0."""
-    return (row_ranks(-jnp.abs(values)) < m).astype(values.dtype)
+    """Per row, 1.0 on the m entries of largest |value| (m may be traced; ties by position),
+    else 0.0: integer keys and one value sort (order.smallest_mask), no argsort."""
+    return order.smallest_mask(~order.float_key(jnp.abs(values)), m).astype(values.dtype)
 
 
 def index_theta(eps_group: Fraction, m: int, group_size: int) -> Fraction:
@@ -99,12 +93,11 @@ def mallows_flip(reference, distance, priority):
     zeros are uniform subsets of their class, exactly: the Mallows model's second stage."""
     group_size = reference.shape[-1]
     ones = reference > 0
-    # All ones rank before all zeros; within each class by priority (no ties: a permutation).
-    rank = row_ranks(jnp.where(ones, priority, priority + group_size))
-    ones_per_row = jnp.sum(ones, axis=-1, keepdims=True).astype(rank.dtype)
-    d = distance[:, None].astype(rank.dtype)
-    flip = jnp.where(ones, rank < d, rank - ones_per_row < d)
-    return jnp.where(flip, 1.0 - reference, reference).astype(reference.dtype)
+    outside = jnp.int32(group_size)  # above every priority: never among the smallest
+    priority = priority.astype(jnp.int32)
+    off = ones & order.smallest_mask(jnp.where(ones, priority, outside), distance)
+    on = ~ones & order.smallest_mask(jnp.where(ones, outside, priority), distance)
+    return jnp.where(off | on, 1.0 - reference, reference).astype(reference.dtype)
 
 
 def _ones_mask(params, key):
@@ -200,9 +193,10 @@ def random_k(group_size: int = 256, k_start: float = 1.0, k_end: float = 0.5,
         def apply(value, state, ctx):
             grouped, n, unravel = _to_groups(value, group_size)
             k = keep_fraction(ctx.step, total, k_start, k_end, schedule)
-            scores = jax.random.uniform(jax.random.fold_in(state["key"], ctx.step),
-                                        grouped.shape)
-            mask = top_m_mask(scores, jnp.round(k * group_size))  # depends on no private value
+            scores = jax.random.bits(jax.random.fold_in(state["key"], ctx.step),
+                                     grouped.shape, jnp.uint32)
+            m = jnp.round(k * group_size).astype(jnp.int32)
+            mask = order.smallest_mask(scores, m).astype(grouped.dtype)  # no private value
             return value, {"mask": _from_groups(mask, n, unravel), "key": state["key"]}
 
         return StageFns(apply=apply, init=init)

@@ -184,9 +184,7 @@ def test_random_k_mask_does_not_depend_on_private_values():
     np.testing.assert_array_equal(a["w"], b["w"])
 
 
-def test_row_ranks_is_the_inverse_of_a_stable_argsort_with_ties():
-    rng = np.random.default_rng()
-    scores = rng.integers(0, 5, size=(7, 64)).astype(np.float32)  # many ties
-    scores[0] = np.inf  # a row of masked-out entries
-    want = np.argsort(np.argsort(scores, axis=-1, kind="stable"), axis=-1, kind="stable")
-    np.testing.assert_array_equal(jax.jit(select.row_ranks)(jnp.asarray(scores)), want)
+def test_top_m_mask_keeps_the_largest_magnitudes_ties_by_position():
+    values = jnp.asarray([[0.5, -3.0, 3.0, 0.1, -0.5, 2.0]])
+    np.testing.assert_array_equal(select.top_m_mask(values, 3), [[0, 1, 1, 0, 0, 1]])
+    np.testing.assert_array_equal(select.top_m_mask(values, 4), [[1, 1, 1, 0, 0, 1]])

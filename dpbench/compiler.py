@@ -215,6 +215,8 @@ def _check_fns(i: int, stage: Stage, fns, num_per_example: int) -> None:
         raise PipelineError(f"{where}: public_mask must hold dpbench Mask members")
     if fns.host_inputs is not None and i < num_per_example:
         raise PipelineError(f"{where}: host_inputs are for batch stages (after the clip)")
+    if fns.finish_sum is not None and i >= num_per_example:
+        raise PipelineError(f"{where}: finish_sum is for per-example stages (the clip and before)")
 
 
 def bind(stages: Sequence[Stage], info: StageInfo) -> Plan:
@@ -520,7 +522,11 @@ def _clipped_sum_fn(plan: Plan, loss_fn: Callable):
             loss = jnp.where(nonfinite > 0, 0.0, aux["loss"])
             return value, {"loss": loss, "nonfinite": nonfinite}
 
-        return masked_sum(per_example, batch)
+        total, aux = masked_sum(per_example, batch)
+        for i in range(plan.num_per_example):  # public linear maps of the sum (GEP's residual)
+            if plan.fns[i].finish_sum is not None:
+                total = plan.fns[i].finish_sum(total, states[i])
+        return total, aux
 
     return clipped_sum
 

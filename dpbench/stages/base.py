@@ -109,6 +109,11 @@ class StageFns(NamedTuple):
     after_release: ``after_release(released, state, ctx) -> released`` for a stage before the
       release: public post-processing with its own public state (GEP's reconstruction). Public
       masks need none: the compiler applies them (``Stage.public_mask``).
+    finish_sum: ``finish_sum(total, state) -> total`` for a per-example stage: a PUBLIC LINEAR
+      map the compiler applies to the masked sum of the per-example values, before anything
+      else sees it (GEP forms its residual sum from sum c g and sum c w). By linearity the
+      sum of the finished per-example values is the finished sum, so a clip stage's bound may
+      be stated for ``finish_sum`` of each example's value (checked by the contract test).
     host_inputs: ``host_inputs(step, rng) -> pytree of numpy arrays``: public randomness drawn
       on the host, exactly (GIP's Mallows draws: float32 on the device cannot sample them to
       the precision their privacy claim needs). ``rng`` is a numpy Generator seeded by (run host
@@ -124,6 +129,7 @@ class StageFns(NamedTuple):
     init: Callable = _no_state
     begin_step: Optional[Callable] = None
     after_release: Optional[Callable] = None
+    finish_sum: Optional[Callable] = None
     host_inputs: Optional[Callable] = None
     release_value: Optional[Callable] = None
     init_from_release: Optional[Callable] = None

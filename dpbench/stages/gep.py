@@ -62,48 +62,133 @@ def basis_sizes(group_sizes: dict, num_basis: int, num_anchors: int) -> dict:
                               group_sizes[g]))) for g in group_sizes}
 
 
+def _orthonormal_rows(basis):
+    q, _ = jnp.linalg.qr(basis.T)
+    return q.T
+
+
+def _random_start(key, k: int, p: int):
+    """The power iteration's random start: k x p random signs (cheaper to draw than Gaussians:
+    15 vs 30 ms per step for the tanh CNN; any random start with independent entries does)."""
+    return jax.random.rademacher(key, (k, p), jnp.float32)
+
+
 def power_basis(anchor_grads, key, k: int, iterations: int):
     """Orthonormal rows B (k x p) spanning the top principal directions of anchor_grads (m x p)."""
-    basis = jax.random.normal(key, (k, anchor_grads.shape[1]), anchor_grads.dtype)
+    basis = _random_start(key, k, anchor_grads.shape[1])
     for _ in range(iterations):
-        basis = (anchor_grads @ basis.T).T @ anchor_grads  # B = (G_a B^T)^T G_a
-        q, _ = jnp.linalg.qr(basis.T)
-        basis = q.T
+        basis = _orthonormal_rows((anchor_grads @ basis.T).T @ anchor_grads)  # (G_a B^T)^T G_a
     return basis
 
 
 def anchor_basis(anchors, ctx, ks: dict, num_classes: int, iterations: int, chunk: int):
     """Per group, an orthonormal basis (ks[g] rows) of the anchor gradients at the current
-    (public) parameters, the anchors labelled at random: public inputs only."""
+    (public) parameters, the anchors labelled at random: public inputs only.
+
+    With one power iteration (the paper's light setting) the m x p anchor gradient matrix is
+    never formed: (G_a B0^T)^T G_a = sum over chunks of (G_c B0^T)^T G_c, so each chunk of
+    ``chunk`` anchor gradients is used while it is in cache (memory traffic was most of the
+    basis' cost)."""
     label_key, basis_key = jax.random.split(ctx.key)
     labels = jax.random.randint(label_key, (anchors.shape[0],), 0, num_classes)
-    anchor_grad = jax.grad(ctx.loss_fn)
-    grads = jax.lax.map(lambda xy: anchor_grad(ctx.params, *xy), (anchors, labels),
-                        batch_size=chunk)
-    grouped = _groups(grads)
-    basis = {}
-    for i, g in enumerate(sorted(ks)):
-        matrix = jax.vmap(_flat)(grouped[g])  # m x p_g
-        basis[g] = power_basis(matrix, jax.random.fold_in(basis_key, i), ks[g], iterations)
-    return basis
+    anchor_grad = jax.vmap(jax.grad(ctx.loss_fn), in_axes=(None, 0, 0))
+    groups = sorted(ks)
+    if iterations != 1:
+        grads = jax.lax.map(lambda xy: jax.grad(ctx.loss_fn)(ctx.params, *xy),
+                            (anchors, labels), batch_size=chunk)
+        grouped = _groups(grads)
+        return {g: power_basis(jax.vmap(_flat)(grouped[g]), jax.random.fold_in(basis_key, i),
+                               ks[g], iterations) for i, g in enumerate(groups)}
+    sizes = {g: sum(math.prod(x.shape) for x in jax.tree.leaves(sub))
+             for g, sub in _groups(ctx.params).items()}
+    starts = {g: _random_start(jax.random.fold_in(basis_key, i), ks[g], sizes[g])
+              for i, g in enumerate(groups)}
+    m = anchors.shape[0]
+    usable = m - m % chunk
+    chunks = (anchors[:usable].reshape((-1, chunk) + anchors.shape[1:]),
+              labels[:usable].reshape(-1, chunk))
+
+    def accumulate(acc, xs, size):
+        grouped = _groups(anchor_grad(ctx.params, *xs))
+        for g in groups:
+            matrix = jax.vmap(_flat)(grouped[g])                  # chunk x p_g
+            acc[g] = acc[g] + (matrix @ starts[g].T).T @ matrix   # k_g x p_g
+        return acc
+
+    total = {g: jnp.zeros_like(starts[g]) for g in groups}
+    total, _ = jax.lax.scan(lambda acc, xs: (accumulate(acc, xs, chunk), None), total, chunks)
+    if usable < m:  # the last, partial chunk
+        total = accumulate(total, (anchors[usable:], labels[usable:]), m - usable)
+    return {g: _orthonormal_rows(total[g]) for g in groups}
 
 
-def embed_and_clip_one(grads, basis: dict, embedding_bound: float, residual_bound: float,
-                       biased: bool) -> dict:
-    """One example: embedding w = concat_g(B_g g_g) clipped to S1 and residual r = g - B^T w
-    clipped to S2, each scaled to norm <= 1: {"w": w / S1[, "r": r / S2]} (r keyed by group)."""
+_UNIT = 2.0 ** -24  # float32 unit roundoff
+
+
+def _gamma(n: int) -> float:
+    """gamma_n = n u / (1 - n u): the relative error bound of an n-term float32 dot product or
+    sum of squares, in any summation order (Higham, Accuracy and Stability, 3.1)."""
+    return n * _UNIT / (1 - n * _UNIT)
+
+
+def orthonormality_error(basis):
+    """An upper bound on ||B B^T - I||_2 for the float32 basis B (k x p), from its computed
+    Gram matrix G plus G's own rounding bound (|G_ij - fl(G_ij)| <= gamma_p max_i G_ii)."""
+    k, p = basis.shape
+    gram = basis @ basis.T
+    rounding = k * _gamma(p) * jnp.max(jnp.diagonal(gram)) * (1 + 2 * _gamma(p))
+    off = jnp.sqrt(jnp.sum(jnp.square(gram - jnp.eye(k, dtype=gram.dtype))))
+    return (off + rounding) * (1 + 4 * _gamma(k * k + 2))
+
+
+def residual_sq_upper(a, b, k: int, p: int, p_max: int, eps):
+    """A rigorous upper bound on ||v - B^T w||^2 from float32 a = fl(||v||^2) (p coordinates)
+    and b = fl(||w||^2) (k coordinates), w = fl(B v), ||B B^T - I|| <= eps, groups of at most
+    p_max coordinates. In exact arithmetic ||v - B^T w||^2 = ||v||^2 - ||w||^2 + 2 w.e
+    + w^T (B B^T - I) w with e = w - Bv, ||e|| <= sqrt(k (1 + eps)) gamma_{p_max} ||v||; every
+    term is bounded on the safe side, with 8 spare roundings for forming the bound itself.
+    Catastrophic cancellation (a residual far smaller than the gradient) can only make the
+    bound loose, never small: the S2 clip is never under-applied."""
+    a_hi = a * (1 + 2 * _gamma(p + 8))
+    b_lo = b * (1 - _gamma(k + 8))
+    b_hi = b * (1 + 2 * _gamma(k + 8))
+    e_norm = jnp.sqrt(k * (1 + eps)) * _gamma(p_max + 8) * jnp.sqrt(a_hi)
+    bound = a_hi - b_lo + 2 * jnp.sqrt(b_hi) * e_norm + eps * b_hi
+    return jnp.maximum(bound * (1 + 8 * _UNIT), 0.0)
+
+
+def embed_and_clip_one(grads, basis: dict, eps, embedding_bound: float,
+                       residual_bound: float, biased: bool) -> dict:
+    """One example: embedding w = concat_g(B_g g_g) clipped to S1, scaled to norm <= 1; and the
+    residual r = g - B^T w clipped to S2 WITHOUT forming it: its norm is bounded from
+    ||g||^2 - ||w||^2 (``residual_sq_upper``) and the example contributes c * g / S2 and
+    c * w / S2, c = min(1, S2 / ||r||_upper); ``finish_sum`` forms sum c (g - B^T w) / S2 on the
+    batch sum (linear, public B), each example's part of norm <= 1."""
     grouped = _groups(grads)
-    embed, residual = [], {}
-    for g in sorted(basis):
-        vector = _flat(grouped[g])
-        w = basis[g] @ vector
-        embed.append(w)
-        residual[g] = _unflat(vector - basis[g].T @ w, grouped[g])
-    w = clip_to_l2(jnp.concatenate(embed), embedding_bound) / embedding_bound
+    vectors = {g: _flat(grouped[g]) for g in sorted(basis)}
+    embed = {g: basis[g] @ vectors[g] for g in sorted(basis)}
+    w_all = jnp.concatenate([embed[g] for g in sorted(basis)])
+    w = clip_to_l2(w_all, embedding_bound) / embedding_bound
     if biased:
         return {"w": w}
-    r = clip_to_l2(residual, residual_bound)
-    return {"w": w, "r": jax.tree.map(lambda x: x / residual_bound, r)}
+    k = sum(b.shape[0] for b in basis.values())
+    p = sum(b.shape[1] for b in basis.values())
+    p_max = max(b.shape[1] for b in basis.values())
+    a = sum(jnp.sum(jnp.square(v)) for v in vectors.values())
+    upper = residual_sq_upper(a, jnp.sum(jnp.square(w_all)), k, p, p_max, eps)
+    scale = residual_bound / jnp.maximum(jnp.sqrt(upper), residual_bound) / residual_bound
+    return {"w": w, "rv": {g: _unflat(vectors[g] * scale, grouped[g]) for g in vectors},
+            "rw": {g: embed[g] * scale for g in embed}}
+
+
+def finish_residual(total: dict, basis: dict) -> dict:
+    """The summed residual part: sum c (g - B^T w) / S2 = sum c g / S2 - B^T (sum c w / S2)."""
+    if "rv" not in total:
+        return total
+    r = {g: jax.tree.map(jnp.subtract, total["rv"][g],
+                         _unflat(basis[g].T @ total["rw"][g], total["rv"][g]))
+         for g in sorted(basis)}
+    return {"w": total["w"], "r": r}
 
 
 def reconstruct(released: dict, basis: dict, like, embedding_bound: float,
@@ -159,22 +244,26 @@ def embed_and_clip(num_basis: int = 200, num_anchors: int = 512, embedding_bound
         def init(params, key):
             del params, key
             return {"anchors": jnp.asarray(anchors),
-                    "basis": {g: jnp.zeros((ks[g], sizes[g]), jnp.float32) for g in ks}}
+                    "basis": {g: jnp.zeros((ks[g], sizes[g]), jnp.float32) for g in ks},
+                    "orth_error": jnp.zeros((), jnp.float32)}
 
         def begin_step(state, ctx):
-            return dict(state, basis=anchor_basis(
-                state["anchors"], ctx, ks, info.num_classes, power_iterations, anchor_chunk))
+            basis = anchor_basis(state["anchors"], ctx, ks, info.num_classes, power_iterations,
+                                 anchor_chunk)
+            eps = jnp.max(jnp.stack([orthonormality_error(b) for b in basis.values()]))
+            return dict(state, basis=basis, orth_error=eps)
 
         def apply(grads, state, ctx):
             del ctx
-            return embed_and_clip_one(grads, state["basis"], embedding_bound, residual_bound,
-                                      biased)
+            return embed_and_clip_one(grads, state["basis"], state["orth_error"],
+                                      embedding_bound, residual_bound, biased)
 
         def after_release(released, state, ctx):
             return reconstruct(released, state["basis"], ctx.params, embedding_bound,
                                residual_bound, biased)
 
         return StageFns(apply=apply, init=init, begin_step=begin_step,
+                        finish_sum=lambda total, state: finish_residual(total, state["basis"]),
                         after_release=after_release, facts=dict(basis_per_group=ks, part_bounds=(
                             {"embedding": embedding_bound} if biased else
                             {"embedding": embedding_bound, "residual": residual_bound})))

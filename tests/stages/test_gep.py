@@ -113,3 +113,64 @@ def test_basis_split_follows_sqrt_of_group_size_and_missing_public_data_is_an_er
     with pytest.raises(ValueError, match="dataset.public_size"):
         compile_small(_gep_pipeline(), n=N, batch_size=N, micro=8, noise_multiplier=1.0,
                       padded_batch_size=N, model_name="mlp", public_images=None)
+
+
+def _tiny_residual_examples(rng, basis, n, embed_norm, residual_norm):
+    """Gradients almost inside span(B): a huge embedding and a small residual of given norm."""
+    k, p = basis.shape
+    out = []
+    for _ in range(n):
+        z = rng.normal(size=k)
+        u = rng.normal(size=p)
+        u -= np.asarray(basis, np.float64).T @ (np.asarray(basis, np.float64) @ u)
+        out.append(embed_norm * z / np.linalg.norm(z) @ np.asarray(basis, np.float64)
+                   + residual_norm * u / np.linalg.norm(u))
+    return np.asarray(out, np.float32)
+
+
+def test_residual_clip_is_never_under_applied_against_tiny_residuals():
+    """Adversarial gradients with ||g|| = 1e3 and a residual of 0.05 (2.5 S2): the residual's
+    norm comes from ||g||^2 - ||w||^2, where float32 cancellation is ~100x the true value. The
+    rigorous bound keeps every example's finished residual at norm <= 1 (exact, float64
+    check); the naive difference lets some through unclipped (the bound is necessary)."""
+    rng = np.random.default_rng()
+    p, k, s2 = 4096, 64, 0.02
+    q, _ = np.linalg.qr(rng.normal(size=(p, k)))
+    basis = jnp.asarray(q.T, jnp.float32)
+    eps = gep.orthonormality_error(basis)
+    assert 0 < float(eps) < 0.05  # worst-case rounding of 4096-term dot products: k gamma_p
+    grads = _tiny_residual_examples(rng, basis, 64, 1e3, 2.5 * s2)
+    one = jax.jit(jax.vmap(lambda g: gep.embed_and_clip_one(
+        {"params": {"layer": {"kernel": g}}}, {"layer": basis}, eps, 1.0, s2, False)))
+    out = one(jnp.asarray(grads))
+    b64 = np.asarray(basis, np.float64)
+    naive_over = 0
+    for i in range(len(grads)):
+        rv = np.asarray(out["rv"]["layer"]["kernel"][i], np.float64)
+        rw = np.asarray(out["rw"]["layer"][i], np.float64)
+        finished = rv - b64.T @ rw          # this example's residual part, exactly
+        assert np.linalg.norm(finished) <= 1.0
+        g = grads[i].astype(np.float32)
+        w = np.asarray(basis @ jnp.asarray(g))
+        naive_sq = float(np.sum(np.square(g)) - np.sum(np.square(w)))  # float32 cancellation
+        c = min(1.0, s2 / np.sqrt(max(naive_sq, 1e-30)))
+        naive_over += np.linalg.norm(c * (g - b64.T @ w.astype(np.float64)) / s2) > 1.0
+    assert naive_over > 0
+
+
+def test_residual_bound_is_tight_when_the_residual_is_not_tiny():
+    """On ordinary gradients (residual comparable to the gradient) the bound clips like the
+    explicit residual's norm, to 1e-3."""
+    rng = np.random.default_rng()
+    p, k, s2 = 2048, 32, 0.02
+    q, _ = np.linalg.qr(rng.normal(size=(p, k)))
+    basis = jnp.asarray(q.T, jnp.float32)
+    eps = gep.orthonormality_error(basis)
+    grads = rng.normal(size=(16, p)).astype(np.float32)
+    out = jax.vmap(lambda g: gep.embed_and_clip_one(
+        {"params": {"layer": {"kernel": g}}}, {"layer": basis}, eps, 1.0, s2, False))(grads)
+    b64 = np.asarray(basis, np.float64)
+    for i in range(len(grads)):
+        finished = (np.asarray(out["rv"]["layer"]["kernel"][i], np.float64)
+                    - b64.T @ np.asarray(out["rw"]["layer"][i], np.float64))
+        assert 1.0 - 1e-3 <= np.linalg.norm(finished) <= 1.0  # clipped onto the sphere

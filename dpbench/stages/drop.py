@@ -21,7 +21,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from dpbench.stages import order
+from dpbench.stages.order import float_key, smallest_mask
 from dpbench.stages.base import (Kind, Mask, Stage, StageFns, StageInfo, apply_mask,
                                  register_stage)
 
@@ -37,7 +37,7 @@ def keep_smallest_dropped(keys, active, rate: float):
     n_active = jnp.sum(flat_active, dtype=jnp.int32)
     n_drop = jnp.floor(rate * n_active).astype(jnp.int32) + (flat_keys.size - n_active)
     ranked = jnp.where(flat_active, flat_keys, jnp.uint32(0))   # inactive first
-    dropped = order.smallest_mask(ranked, n_drop)
+    dropped = smallest_mask(ranked, n_drop)
     return (~dropped).astype(jnp.float32).reshape(keys.shape)
 
 
@@ -59,7 +59,7 @@ def drop_mask(criterion: str, rate: float, params, key, step):
         # uint32 keys: a value sort of integers is ~6x faster than a float argsort on CPU.
         # Random: 31 random bits + 1 (0 is reserved for inactive); magnitude: |w|'s order key.
         scores = ((jax.random.bits(k, leaf.shape, jnp.uint32) >> 1) + 1 if criterion == "random"
-                  else order.float_key(jnp.abs(leaf)))
+                  else float_key(jnp.abs(leaf)))
         masks.append(keep_smallest_dropped(scores, leaf != 0, rate).astype(leaf.dtype))
     return jax.tree.unflatten(treedef, masks)
 

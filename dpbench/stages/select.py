@@ -44,7 +44,7 @@ import numpy as np
 from jax.flatten_util import ravel_pytree
 
 from dpbench import accounting, exact
-from dpbench.stages import order
+from dpbench.stages.order import float_key, smallest_mask
 from dpbench.stages.base import Kind, Mask, Stage, StageFns, StageInfo, register_stage
 
 SCHEDULES = ("linear", "exponential", "constant")
@@ -75,8 +75,8 @@ def _from_groups(groups, size: int, unravel):
 
 def top_m_mask(values, m):
     """Per row, 1.0 on the m entries of largest |value| (m may be traced; ties by position),
-    else 0.0: integer keys and one value sort (order.smallest_mask), no argsort."""
-    return order.smallest_mask(~order.float_key(jnp.abs(values)), m).astype(values.dtype)
+    else 0.0: integer keys and one value sort (smallest_mask), no argsort."""
+    return smallest_mask(~float_key(jnp.abs(values)), m).astype(values.dtype)
 
 
 def index_theta(eps_group: Fraction, m: int, group_size: int) -> Fraction:
@@ -95,8 +95,8 @@ def mallows_flip(reference, distance, priority):
     ones = reference > 0
     outside = jnp.int32(group_size)  # above every priority: never among the smallest
     priority = priority.astype(jnp.int32)
-    off = ones & order.smallest_mask(jnp.where(ones, priority, outside), distance)
-    on = ~ones & order.smallest_mask(jnp.where(ones, outside, priority), distance)
+    off = ones & smallest_mask(jnp.where(ones, priority, outside), distance)
+    on = ~ones & smallest_mask(jnp.where(ones, outside, priority), distance)
     return jnp.where(off | on, 1.0 - reference, reference).astype(reference.dtype)
 
 
@@ -196,7 +196,7 @@ def random_k(group_size: int = 256, k_start: float = 1.0, k_end: float = 0.5,
             scores = jax.random.bits(jax.random.fold_in(state["key"], ctx.step),
                                      grouped.shape, jnp.uint32)
             m = jnp.round(k * group_size).astype(jnp.int32)
-            mask = order.smallest_mask(scores, m).astype(grouped.dtype)  # no private value
+            mask = smallest_mask(scores, m).astype(grouped.dtype)  # no private value
             return value, {"mask": _from_groups(mask, n, unravel), "key": state["key"]}
 
         return StageFns(apply=apply, init=init)

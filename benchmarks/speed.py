@@ -65,11 +65,11 @@ flags.DEFINE_string("pipelines", "all", "Comma-separated pipeline names from pip
 flags.DEFINE_string("out", None, "Markdown report path (the JSON goes next to it). Default: "
                     "runs/bench-<time>.md")
 flags.DEFINE_bool("skip_torch", False, "Skip the torch and Opacus rows.")
-flags.DEFINE_list("micro_batch_sizes", ["64"], "Micro-batch size of the dpbench rows "
+flags.DEFINE_list("micro_batch_sizes", ["32"], "Micro-batch size of the dpbench rows "
                   "per expected batch size, as 'B:size', and a bare size for every other B "
-                  "(64 is pipelines/dpsgd.gin's value, measured fastest at B=256 and 1024 on "
-                  "2 CPU cores). A speed knob only: the sampler, noise and accounting do not "
-                  "change.")
+                  "(32 is pipelines/dpsgd.gin's value, fastest with book-keeping at B=256 "
+                  "and 1024 on 2 CPU cores). A speed knob only: the sampler, noise and "
+                  "accounting do not change.")
 flags.DEFINE_string("data_gin", "gin/data/fashion_mnist.gin", "Data gin file.")
 flags.DEFINE_string("model_gin", "gin/model/tanh_cnn.gin", "Model gin file, parsed after the "
                     "data gin; '' keeps what the pipeline and data gin say.")
@@ -469,7 +469,7 @@ class Options:
     pipelines: str = "all"
     out: Optional[str] = None
     skip_torch: bool = False
-    micro_batch_sizes: tuple = ((None, 64),)  # (B, size); B None: any other
+    micro_batch_sizes: tuple = ((None, 32),)  # (B, size); B None: any other
     data_gin: str = "gin/data/fashion_mnist.gin"
     model_gin: str = "gin/model/tanh_cnn.gin"
     gin_bindings: tuple = ()

@@ -235,7 +235,8 @@ def run_audit(stages: Sequence[Stage], *, claimed_epsilon: float = 3.0, delta: f
         budget=accounting.Budget(epsilon=claimed_epsilon, delta=delta, accountant=accountant),
         total_steps=1, steps_per_epoch=1, micro_batch_size=micro_batch_size,
         mesh=sharding.make_mesh(), public_images=canary.public, num_classes=canary.num_classes,
-        linear_apply=canary.model.apply)  # logistic: already linear
+        linear_apply=canary.model.apply,  # logistic: already linear
+        model=canary.model)  # the audit checks the per-example strategy the run would use
     claimed = compiled.epsilon_after(1)
     indices = np.zeros(sampler.padded_batch_size, np.int64)
     indices[:n] = np.arange(n)

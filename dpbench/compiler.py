@@ -28,7 +28,7 @@ import optax
 from dp_accounting import dp_event
 from jax.sharding import Mesh
 
-from dpbench import accounting, sharding
+from dpbench import accounting, bookkeeping, sharding
 from dpbench.stages.base import (PRIVATE_KINDS, Kind, Mask, Stage, StageFns, StageInfo,
                                  StepContext, apply_mask)
 from dpbench.stages.clip import clip_to_l2, zero_if_nonfinite
@@ -186,6 +186,9 @@ class Plan:
     fns: tuple             # StageFns per stage, from make(info)
     validated: ValidatedPipeline
     info: StageInfo
+    model: Any = None      # the flax model, when the caller gives it (book-keeping needs it)
+    taps: Optional[tuple] = None  # its matmul layers (bookkeeping.discover_taps), if all params
+    strategy: str = "materialized"  # per-example strategy: "materialized" or "bookkeeping"
 
     @property
     def num_per_example(self) -> int:
@@ -219,13 +222,20 @@ def _check_fns(i: int, stage: Stage, fns, num_per_example: int) -> None:
         raise PipelineError(f"{where}: finish_sum is for per-example stages (the clip and before)")
 
 
-def bind(stages: Sequence[Stage], info: StageInfo) -> Plan:
-    """Validates the declarations and makes every stage's step functions with the run facts."""
+def bind(stages: Sequence[Stage], info: StageInfo, model=None) -> Plan:
+    """Validates the declarations, makes every stage's step functions with the run facts, and
+    picks the per-example strategy from the stage chain: book-keeping where it reproduces the
+    chain exactly (bookkeeping.applies) and the model is made of matmul layers, else the
+    materialized per-example gradients (vmap)."""
     validated = validate_pipeline(stages)
     fns = tuple(stage.make(info) for stage in validated.stages)
-    plan = Plan(stages=validated.stages, fns=fns, validated=validated, info=info)
+    plan = Plan(stages=validated.stages, fns=fns, validated=validated, info=info, model=model)
     for i, (stage, made) in enumerate(zip(plan.stages, fns)):
         _check_fns(i, stage, made, plan.num_per_example)
+    taps = None if model is None else bookkeeping.discover_taps(
+        model, info.param_shapes, info.example_shape)
+    if bookkeeping.applies(plan.stages, plan.num_per_example, taps):
+        plan = dataclasses.replace(plan, taps=taps, strategy="bookkeeping")
     return plan
 
 
@@ -496,9 +506,55 @@ def _begin_step_fn(plan: Plan, loss_fn: Callable):
     return begin_step
 
 
+def _bookkeeping_sum_fn(plan: Plan, loss_fn: Callable):
+    """The book-keeping strategy's clipped sum (bookkeeping.clipped_sum per micro-batch, empty
+    micro-batches skipped). Stages between the gradient and the clip enter as the product of
+    their public masks when all are masks, else as a transform of the per-example gradients
+    (each stage's own apply, vmapped, with the same per-example keys as the materialized
+    strategy)."""
+    clip_index = plan.validated.clip_index
+    middle = range(1, clip_index)
+    use_masks = bookkeeping.masks_only(plan.stages, clip_index)
+
+    def clipped_sum(params, states, step, step_key, batch):
+        masks = None
+        for i in middle if use_masks else ():
+            masks = states[i]["mask"] if masks is None else apply_mask(masks, states[i]["mask"])
+
+        def transform_at(positions):
+            def one(value, position):
+                for i in middle:
+                    ctx = StepContext(params=params, step=step, loss_fn=loss_fn, key=jax.random.
+                                      fold_in(jax.random.fold_in(step_key, i), position))
+                    value = plan.fns[i].apply(value, states[i], ctx)
+                return value
+            return lambda tree: jax.vmap(one)(tree, positions)
+
+        def micro(images, labels, mask, positions):
+            transform = None if use_masks or clip_index == 1 else transform_at(positions)
+            return bookkeeping.clipped_sum(plan.model, plan.taps, params, images, labels, mask,
+                                           plan.stages[clip_index].l2_bound, masks, transform)
+
+        micro_steps, size = batch["mask"].shape
+        positions = jnp.arange(micro_steps * size, dtype=jnp.int32).reshape(micro_steps, size)
+        xs = (batch["image"], batch["label"], batch["mask"], positions)
+        zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype),
+                             jax.eval_shape(micro, *(x[0] for x in xs)))
+
+        def body(total, x):
+            part = jax.lax.cond(jnp.any(x[2]), lambda x: micro(*x), lambda _: zeros, x)
+            return jax.tree.map(jnp.add, total, part), None
+
+        return jax.lax.scan(body, zeros, xs)[0]
+
+    return clipped_sum
+
+
 def _clipped_sum_fn(plan: Plan, loss_fn: Callable):
     """(params, states, step, step_key, batch) -> (sum of clipped per-example values,
     {"loss": sum of finite losses, "nonfinite": count}) over the batch's real examples."""
+    if plan.strategy == "bookkeeping":
+        return _bookkeeping_sum_fn(plan, loss_fn)
     clip_index = plan.validated.clip_index
 
     def clipped_sum(params, states, step, step_key, batch):
@@ -517,7 +573,9 @@ def _clipped_sum_fn(plan: Plan, loss_fn: Callable):
                     # a value would turn the sum into NaN. Zero has norm 0, so replacing it keeps
                     # the clip's bound (and the sensitivity) intact. Checked on the clip's
                     # OUTPUT: one fused pass (before the clip it cost 20 ms of a 45 ms step).
-                    value, nonfinite = zero_if_nonfinite(value)
+                    # An example whose loss is non-finite counts too (a stage such as Nasr's
+                    # discretization can map a NaN gradient to a finite value), and is zeroed.
+                    value, nonfinite = zero_if_nonfinite(value, jnp.isfinite(aux["loss"]))
             # The loss diagnostic skips examples whose gradient was zeroed as non-finite.
             loss = jnp.where(nonfinite > 0, 0.0, aux["loss"])
             return value, {"loss": loss, "nonfinite": nonfinite}
@@ -749,12 +807,15 @@ def compile_pipeline(stages: Sequence[Stage], *, loss_fn: Callable, init_params:
                      ema_decay: float = 0.0, noise_multiplier: Optional[float] = None,
                      public_images=None, num_classes: int = 0,
                      linear_apply: Optional[Callable] = None,
-                     fidelity_diagnostics: bool = False, host_seed: int = 0) -> CompiledPipeline:
+                     fidelity_diagnostics: bool = False, host_seed: int = 0,
+                     model=None) -> CompiledPipeline:
     """bind -> account -> lower, then shape checks (jax.eval_shape) and jit on the mesh.
 
     ``noise_multiplier=None`` calibrates sigma to the budget (the normal path); a given value
     is used as is. ``fidelity_diagnostics`` adds the non-private metrics ``fidelity_cosine``
     and ``noise_to_signal``. ``host_seed`` seeds the stages' public host randomness.
+    ``model`` (the flax module behind ``loss_fn``, a models.cross_entropy_loss) lets the
+    compiler pick book-keeping where it applies.
     """
     mesh = sharding.make_mesh() if mesh is None else mesh
     validate_pipeline(stages)  # rule errors before any size error
@@ -769,7 +830,7 @@ def compile_pipeline(stages: Sequence[Stage], *, loss_fn: Callable, init_params:
                      public_images=public_images, num_classes=num_classes,
                      linear_apply=linear_apply, example_shape=tuple(example_shape),
                      padded_batch_size=sampler.padded_batch_size)
-    plan = bind(stages, info)
+    plan = bind(stages, info, model)
     acct = account(plan, sampler, budget, total_steps, noise_multiplier)
     lowered = lower(plan, acct, loss_fn=loss_fn, expected_batch_size=sampler.expected_batch_size,
                     ema_decay=ema_decay, fidelity_diagnostics=fidelity_diagnostics)

@@ -58,7 +58,7 @@ class TrainConfig:
 
     batch_size: int = 256
     epochs: float = 30.0
-    micro_batch_size: int = 64
+    micro_batch_size: int = 32
     seed: Optional[int] = 0
     ema_decay: float = 0.0
     eval_every_steps: int = 0  # 0: once per epoch

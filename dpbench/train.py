@@ -214,7 +214,8 @@ def build_run(stages: Sequence[Stage], config: TrainConfig, budget: accounting.B
         public_images=None if dataset.public is None else dataset.public.images,
         num_classes=dataset.num_classes,
         linear_apply=model_config.linearized(dataset.num_classes).apply,
-        fidelity_diagnostics=config.fidelity_every_steps > 0, host_seed=int(seeds[3]))
+        fidelity_diagnostics=config.fidelity_every_steps > 0, host_seed=int(seeds[3]),
+        model=model)
     return Run(dataset=dataset, model=model, model_name=model_config.name, sampler=sampler,
                mesh=mesh, compiled=compiled, params_key=params_key, run_key=run_key,
                init_params=init_params, total_steps=total_steps,
@@ -478,6 +479,7 @@ def _run_record(loop: _Loop, state, progress: Progress, pipeline_name: str, gin_
         l2_sensitivity=compiled.sensitivity, batch_size=config.batch_size,
         epochs=config.epochs, steps=end_step, planned_steps=run.total_steps,
         stop_reason=stop_reason, budget_enforced=config.enforce_budget,
+        per_example_strategy=compiled.plan.strategy,
         sampling=run.sampler.describe(),
         seed=config.seed,  # None for a release run: its OS-drawn seed is never written
         ema_decay=config.ema_decay, validation_accuracy=best["validation_accuracy"],

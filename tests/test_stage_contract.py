@@ -12,6 +12,9 @@ allow and compiled by the one compiler on a small model. Then:
    cost or a one-off release) or reads only released values (after the release). (A stage's
    initial state cannot read data at all: ``init`` gets only params and a key; the one-off
    release is the compiler's, accounted.)
+4. a stage that declares ``Mask.PER_EXAMPLE`` (its per-example apply is its public mask, so the
+   compiler may clip by book-keeping without materializing it) gives the same clipped sum
+   compiled either way.
 """
 
 import jax
@@ -46,7 +49,7 @@ def _pipeline(stage):
             for p in TEMPLATES[(stage.kind_in, stage.kind_out)].split()]
 
 
-def _compile(stage_list):
+def _compile(stage_list, with_model=True):
     model = models.make_model(CLASSES, name="logistic")  # small: compile time dominates
     twin = model  # logistic regression is its own linearized twin (SynFlow)
     sampler = sampling.PoissonSampler(N, BATCH, seed=0, pad_multiple=MICRO)
@@ -57,7 +60,8 @@ def _compile(stage_list):
         sampler=sampler, budget=accounting.Budget(epsilon=3.0, delta=1e-5, accountant="rdp"),
         total_steps=10,
         steps_per_epoch=4, micro_batch_size=MICRO, public_images=public, num_classes=CLASSES,
-        linear_apply=twin.apply)
+        linear_apply=twin.apply,
+        model=model if with_model else None)  # with it the compiler picks its strategy
     return compiled, model
 
 
@@ -115,6 +119,10 @@ def test_declared_bound_holds_against_adversarial_neighbours(contract):
 
 def test_its_state_holds_no_private_data(contract):
     check_state(contract)
+
+
+def test_a_declared_per_example_mask_is_what_the_stage_does(contract):
+    check_mask_declaration(contract)
 
 
 def check_jit(contract):
@@ -189,6 +197,21 @@ def check_state(contract):
         assert all(jax.tree.leaves(same)), f"{stage.name}'s state depends on private data"
 
 
+def check_mask_declaration(contract):
+    stage, _, compiled, _, images, labels, state = contract
+    if stage_mask := (stages.Mask.PER_EXAMPLE in stage.public_mask):
+        assert compiled.plan.strategy == "bookkeeping"
+        slow, _ = _compile(_pipeline(stage), with_model=False)
+        assert slow.plan.strategy == "materialized"
+        b = compiled.sampler.sample(0)
+        batch = make_batch(compiled, images, labels, b.indices, b.mask)
+        fast_sum = jax.jit(compiled.lowered.clipped_sum)(state, batch)
+        slow_sum = jax.jit(slow.lowered.clipped_sum)(state, batch)
+        assert _norm(jax.tree.map(jnp.subtract, fast_sum, slow_sum)) <= 1e-5 * (
+            1 + _norm(slow_sum)), f"{stage.name} is not its declared per-example mask"
+    return stage_mask
+
+
 def test_the_contract_catches_broken_stages():
     """A 'clip' that does not clip, and a stage that says it ignores private values but keeps
     a function of them in its state, both fail their check."""
@@ -211,3 +234,16 @@ def test_the_contract_catches_broken_stages():
                         make=make, lipschitz=1.0, reads_private=False)
     with pytest.raises(AssertionError, match="depends on private data"):
         check_state(_contract_for(liar))
+
+    def flip(value, state, ctx):  # declares the per-example mask, applies something else
+        return jax.tree.map(lambda v, m: -v * m, value, state["mask"])
+
+    def make_flip(info):
+        return stages.StageFns(apply=flip, init=lambda params, key: {
+            "mask": jax.tree.map(jnp.ones_like, params)})
+
+    not_its_mask = stages.Stage(name="broken.flip", kind_in=K.PER_EXAMPLE,
+                                kind_out=K.PER_EXAMPLE, make=make_flip,
+                                public_mask=frozenset({stages.Mask.PER_EXAMPLE}))
+    with pytest.raises(AssertionError, match="not its declared per-example mask"):
+        check_mask_declaration(_contract_for(not_its_mask))

@@ -40,6 +40,8 @@ class Mask(enum.Enum):
     """Where the compiler applies a stage's public mask (``state["mask"]``, a params-shaped
     0/1 tree): the same helper, :func:`apply_mask`, everywhere."""
 
+    PER_EXAMPLE = "per_example"  # the stage's per-example apply IS apply_mask(value, mask): the
+    # compiler may use the mask directly (book-keeping clips masked gradients without them)
     RELEASED = "released"  # right after the release: noise only on kept coordinates
     UPDATES = "updates"    # on the optimizer's output: masked coordinates do not move
     PARAMS = "params"      # once, on the initial parameters (pre-pruning zeroes weights)

@@ -21,8 +21,9 @@ def clip_to_l2(tree, l2_bound: float):
     return jax.tree.map(lambda leaf: (leaf * scale).astype(leaf.dtype), tree)
 
 
-def zero_if_nonfinite(tree):
-    """Returns (tree, 0.0) when every entry is finite, else (zeros, 1.0).
+def zero_if_nonfinite(tree, also_finite=True):
+    """Returns (tree, 0.0) when every entry is finite (and ``also_finite``, e.g. the example's
+    loss, holds), else (zeros, 1.0).
 
     Clipping cannot bound a NaN or an infinity; an all-zero value has norm 0, so replacing a
     non-finite per-example value by zeros keeps every clip bound intact. One reduction (the sum
@@ -31,7 +32,7 @@ def zero_if_nonfinite(tree):
     per-leaf isfinite/all/stack form broke XLA's fusion and cost 20 ms per 256 examples.
     """
     squares = sum(jnp.sum(jnp.square(leaf)) for leaf in jax.tree.leaves(tree))
-    finite = jnp.isfinite(squares)
+    finite = jnp.isfinite(squares) & also_finite
     cleaned = jax.tree.map(lambda leaf: jnp.where(finite, leaf, jnp.zeros_like(leaf)), tree)
     return cleaned, 1.0 - finite.astype(jnp.float32)
 

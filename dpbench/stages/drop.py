@@ -97,7 +97,7 @@ def gradients(rate: float = 0.5, criterion: str = "random",
 
         return StageFns(apply=apply, init=init, begin_step=begin_step)
 
-    where = {Mask.RELEASED, Mask.UPDATES} if freeze_dropped else {Mask.RELEASED}
+    where = {Mask.PER_EXAMPLE, Mask.RELEASED} | ({Mask.UPDATES} if freeze_dropped else set())
     return Stage(name="drop.gradients", kind_in=Kind.PER_EXAMPLE, kind_out=Kind.PER_EXAMPLE,
                  make=make, public_mask=frozenset(where),
                  options=dict(rate=rate, criterion=criterion, freeze_dropped=freeze_dropped))

@@ -52,7 +52,8 @@ def _masking_stage(name: str, make_mask, options: dict, fns: dict = None,
                         init=lambda params, key: {"mask": mask_fn(params, key)}, **(fns or {}))
 
     return Stage(name=name, kind_in=Kind.PER_EXAMPLE, kind_out=Kind.PER_EXAMPLE, make=make,
-                 public_mask=frozenset({Mask.RELEASED, Mask.PARAMS}), options=options,
+                 public_mask=frozenset({Mask.PER_EXAMPLE, Mask.RELEASED, Mask.PARAMS}),
+                 options=options,
                  **declarations)
 
 

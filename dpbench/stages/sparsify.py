@@ -64,5 +64,6 @@ def random_mask(final_rate: float = 0.5, cooling: str = "linear") -> Stage:
         return StageFns(apply=apply, init=init, begin_step=begin_step)
 
     return Stage(name="sparsify.random_mask", kind_in=Kind.PER_EXAMPLE,
-                 kind_out=Kind.PER_EXAMPLE, make=make, public_mask=frozenset({Mask.RELEASED}),
+                 kind_out=Kind.PER_EXAMPLE, make=make,
+                 public_mask=frozenset({Mask.PER_EXAMPLE, Mask.RELEASED}),
                  options=options)

@@ -934,6 +934,9 @@ def _write(path: Path, text: str) -> None:
 
 
 def _summary_line(spec: dict, result: dict) -> str:
+    if spec["kind"] == "main_job" and result.get("ok"):
+        return "ok: %d steps in %.0f s of wall time, test accuracy %.4f" % (
+            result["steps"], result["wall_time_s"], result["test_accuracy"])
     if spec["kind"] in ONCE:
         return json.dumps(result.get("calibration") or result.get("error"))
     if not result.get("ok"):
@@ -943,9 +946,10 @@ def _summary_line(spec: dict, result: dict) -> str:
 
 def aggregate_rounds(results: list) -> dict:
     """One row's result over the rounds: the median of the round medians (and their min-max
-    spread); other fields from the round closest to that median."""
+    spread); other fields from the round closest to that median. A row run once (no step
+    times: calibration, the main job) is returned as run."""
     good = [r for r in results if r.get("ok")]
-    if not good:
+    if not good or any("ms_median" not in r for r in good):
         return results[-1] if results else dict(ok=False, error="not run")
     medians = [r["ms_median"] for r in good]
     middle = float(np.median(medians))

@@ -83,6 +83,12 @@ def test_rounds_aggregate_to_the_median_of_round_medians():
     assert row["peak_rss_mib"] == 3.0 and row["rounds_ok"] == 3
     failed = bench.aggregate_rounds([dict(ok=False, error="x")])
     assert not failed["ok"]
+    # a row run once (the main job: wall time, no step times) is kept as run (a KeyError on
+    # 'ms_median' here once cost a whole benchmark run), and its log line says what it measured
+    job = dict(ok=True, wall_time_s=171.5, steps=1612, test_accuracy=0.86, epsilon=3.0)
+    assert bench.aggregate_rounds([job]) == job
+    line = bench._summary_line(dict(kind="main_job"), job)
+    assert "1612 steps" in line and "172 s" in line
 
 
 def _row(label, group, b, ms, peak=500.0, **spec):

@@ -3,8 +3,10 @@ TFDS names. The original training split is carved, deterministically, into valid
 and private training parts that are disjoint by construction.
 
 Guarantees of every loaded :class:`Dataset`: images are float32 ``(n, H, W, C)`` in ``[0, 1]``
-(no normalisation), labels int32 ``(n,)`` in ``[0, num_classes)``, all arrays read-only.
-Nothing ever falls back silently to a different dataset.
+(no normalisation), or, with ``dataset.features = 'scattering'``, each image's ScatterNet
+features (dpbench.features: per example, data-independent, cached on disk); labels int32
+``(n,)`` in ``[0, num_classes)``; all arrays read-only. Nothing ever falls back silently to a
+different dataset.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ from typing import Optional
 
 import gin
 import numpy as np
+
+from dpbench import features as features_lib
 
 KNOWN_DATASETS = ("fashion_mnist", "digits", "mnist", "cifar10", "svhn_cropped")
 FASHION_MNIST_DIR = "/usr/share/datasets/fashion-mnist"
@@ -48,6 +52,8 @@ class Dataset:
     (N = len(train)); ``validation`` and ``public`` (None when public_size == 0) are carved
     from the original training split. ``*_indices`` index the original training split, are
     pairwise disjoint and together cover it (``public_indices`` is empty when public is None).
+    ``features`` describes what an example is: ``{"kind": "pixels"}`` or the transform's
+    parameters (``features.Scattering.describe``).
     """
 
     name: str
@@ -59,6 +65,7 @@ class Dataset:
     train_indices: np.ndarray
     validation_indices: np.ndarray
     public_indices: np.ndarray
+    features: dict = dataclasses.field(default_factory=lambda: dict(kind="pixels"))
 
     @property
     def input_shape(self) -> tuple:
@@ -184,19 +191,37 @@ def _load_raw(name: str, data_dir: Optional[str]):
             "data directory, dataset.data_dir=...)") from e
 
 
+def _featurized(name: str, raw: tuple, features: str, cache_dir: Optional[str]) -> tuple:
+    """The raw (train_x, train_y, test_x, test_y, num_classes) with the images replaced by their
+    features (from the disk cache when valid), and the features' description."""
+    transform = features_lib.make_transform(features)
+    if transform is None:
+        return raw, dict(kind="pixels")
+    train_x, train_y, test_x, test_y, num_classes = raw
+    train_f, test_f = (features_lib.cached_features(x, dataset=name, split=split,
+                                                    transform=transform, directory=cache_dir)
+                       for x, split in ((train_x, "train"), (test_x, "test")))
+    return (train_f, train_y, test_f, test_y, num_classes), transform.describe()
+
+
 @gin.configurable("dataset", allowlist=["name", "data_dir", "validation_size", "public_size",
-                                         "split_seed"])
+                                         "split_seed", "features", "feature_cache_dir"])
 def load_dataset(name: str = gin.REQUIRED, data_dir: Optional[str] = None,
                  validation_size: int = 5000, public_size: int = 0,
-                 split_seed: int = 0) -> Dataset:
+                 split_seed: int = 0, features: str = "pixels",
+                 feature_cache_dir: Optional[str] = None) -> Dataset:
     """Loads ``name`` and carves validation and public splits off its original training split.
 
     The original training indices are permuted with ``np.random.default_rng(split_seed)``: the
     first ``validation_size`` go to validation, the next ``public_size`` to public, the rest
     are the private training set; the result is a deterministic function of the arguments.
-    Parsed arrays are cached per (name, data_dir) and recent carvings per full argument set,
-    so repeated loads in one process are (nearly) free; all arrays are read-only.
-    Raises ValueError for an unknown name or bad sizes, FileNotFoundError if no data is found.
+    ``features`` other than 'pixels' replaces every image by its features (features.py; the
+    original train and test splits are transformed, then carved, and cached on disk in
+    ``feature_cache_dir``, default ``features.default_cache_dir()``).
+    Parsed arrays are cached per (name, data_dir, features) and recent carvings per full
+    argument set, so repeated loads in one process are (nearly) free; all arrays are read-only.
+    Raises ValueError for an unknown name, features or bad sizes, FileNotFoundError if no data
+    is found.
     """
     if name not in KNOWN_DATASETS:
         raise ValueError(f"unknown dataset {name!r}; known: {', '.join(KNOWN_DATASETS)} "
@@ -208,14 +233,16 @@ def load_dataset(name: str = gin.REQUIRED, data_dir: Optional[str] = None,
         data_dir = os.path.abspath(os.fspath(data_dir or FASHION_MNIST_DIR))
     elif data_dir is not None:
         data_dir = os.fspath(data_dir)
-    key = (name, data_dir)
+    features_lib.make_transform(features)  # an unknown name fails before any loading
+    key = (name, data_dir, features, feature_cache_dir)
     full_key = (*key, int(validation_size), int(public_size), int(split_seed))
     if full_key in _CARVED:
         return _CARVED[full_key]
     if key not in _CACHE:
-        _CACHE[key] = tuple(_frozen(a) if isinstance(a, np.ndarray) else a
-                            for a in _load_raw(name, data_dir))
-    train_x, train_y, test_x, test_y, num_classes = _CACHE[key]
+        raw = tuple(_frozen(a) if isinstance(a, np.ndarray) else a
+                    for a in _load_raw(name, data_dir))
+        _CACHE[key] = _featurized(name, raw, features, feature_cache_dir)
+    (train_x, train_y, test_x, test_y, num_classes), described = _CACHE[key]
     n = len(train_y)
     if validation_size + public_size >= n:
         raise ValueError(f"dataset.validation_size ({validation_size}) + dataset.public_size "
@@ -229,7 +256,7 @@ def load_dataset(name: str = gin.REQUIRED, data_dir: Optional[str] = None,
     dataset = Dataset(name=name, train=split(train_idx), validation=split(val_idx),
                       test=Split(test_x, test_y), public=split(pub_idx) if public_size else None,
                       num_classes=num_classes, train_indices=train_idx,
-                      validation_indices=val_idx, public_indices=pub_idx)
+                      validation_indices=val_idx, public_indices=pub_idx, features=described)
     while len(_CARVED) >= _MAX_CARVED:
         _CARVED.pop(next(iter(_CARVED)))
     _CARVED[full_key] = dataset

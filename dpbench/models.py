@@ -12,7 +12,9 @@ import gin
 import jax.numpy as jnp
 from jax import lax
 
-MODELS = ("tanh_cnn", "mlp", "logistic")
+MODELS = ("tanh_cnn", "mlp", "logistic", "scatter_linear", "scatter_cnn")
+# The features (dataset.features) a model is built for (tanh_cnn: pixels; mlp, logistic: any).
+REQUIRED_FEATURES = {"scatter_linear": "scattering", "scatter_cnn": "scattering"}
 # "identity" builds the linearized twin of a model (SynFlow scores: data-free, no nonlinearity).
 ACTIVATIONS = {"tanh": nn.tanh, "relu": nn.relu, "identity": lambda x: x}
 
@@ -125,13 +127,67 @@ class Logistic(nn.Module):
         return nn.Dense(self.num_classes)(x.reshape(x.shape[:-3] + (-1,)))
 
 
+def input_group_norm(groups: int, enabled: bool = True):
+    """GroupNorm over each example's own channels with no learned scale or bias (Tramer &
+    Boneh's normalization of ScatterNet features): it reads no other example and no statistic
+    of the data, so it costs no privacy. Disabled in a linearized twin (a constant input would
+    normalize to zero)."""
+    if not enabled:
+        return lambda x: x
+    return nn.GroupNorm(num_groups=groups, use_scale=False, use_bias=False, epsilon=1e-5)
+
+
+class ScatterLinear(nn.Module):
+    """Tramer & Boneh 2021: ScatterNet features -> per-example GroupNorm -> one linear layer."""
+
+    num_classes: int
+    input_norm_groups: int = 27
+    normalize: bool = True
+
+    @nn.compact
+    def __call__(self, x):
+        x = input_group_norm(self.input_norm_groups, self.normalize)(x)
+        return nn.Dense(self.num_classes)(x.reshape(x.shape[:-3] + (-1,)))
+
+
+class ScatterCNN(nn.Module):
+    """Tramer & Boneh 2021's CNN on ScatterNet features (their MNIST / Fashion-MNIST one):
+    per-example GroupNorm, conv 16 (3x3, stride 2) and conv 32 (3x3), tanh, then a 32-unit
+    hidden layer; 7x7x81 features -> 4x4x32 -> 10 classes."""
+
+    num_classes: int
+    activation: str = "tanh"
+    input_norm_groups: int = 27
+    normalize: bool = True
+    conv_impl: str = "patches"
+
+    @nn.compact
+    def __call__(self, x):
+        act = ACTIVATIONS[self.activation]
+        x = input_group_norm(self.input_norm_groups, self.normalize)(x)
+        x = act(conv_layer(self.conv_impl, 16, (3, 3), (2, 2), "SAME", "Conv_0")(x))
+        x = act(conv_layer(self.conv_impl, 32, (3, 3), (1, 1), "SAME", "Conv_1")(x))
+        x = act(nn.Dense(32)(x.reshape(x.shape[:-3] + (-1,))))
+        return nn.Dense(self.num_classes)(x)
+
+
 def make_model(num_classes: int, name: str, activation: str = "tanh",
                hidden: Sequence[int] = (256,), group_norm_groups: int = 0,
-               conv_impl: str = "patches", center_inputs: bool = True) -> nn.Module:
-    """Builds the model ``name``; raises ValueError naming the known models."""
+               conv_impl: str = "patches", center_inputs: bool = True,
+               input_norm_groups: int = 27, linearized: bool = False) -> nn.Module:
+    """Builds the model ``name``; raises ValueError naming the known models. ``linearized``
+    builds its twin for SynFlow (same parameters): identity activations, no input
+    normalization."""
+    if linearized:
+        activation = "identity"
     if activation not in ACTIVATIONS:
         raise ValueError(f"model.activation must be one of {sorted(ACTIVATIONS)}, "
                          f"got {activation!r}")
+    if name == "scatter_linear":
+        return ScatterLinear(num_classes, input_norm_groups, normalize=not linearized)
+    if name == "scatter_cnn":
+        return ScatterCNN(num_classes, activation, input_norm_groups,
+                          normalize=not linearized, conv_impl=conv_impl)
     if name == "tanh_cnn":
         return TanhCNN(num_classes, activation, group_norm_groups, conv_impl, center_inputs)
     if name == "mlp":
@@ -153,13 +209,39 @@ class ModelConfig:
     group_norm_groups: int = 0
     conv_impl: str = "patches"
     center_inputs: bool = True
+    input_norm_groups: int = 27  # scatter models: GroupNorm groups over the feature channels
 
     def build(self, num_classes: int) -> nn.Module:
         return make_model(num_classes, **dataclasses.asdict(self))
 
     def linearized(self, num_classes: int) -> nn.Module:
-        """The same model with identity activations (same parameters), for SynFlow."""
-        return make_model(num_classes, **dict(dataclasses.asdict(self), activation="identity"))
+        """The same model with identity activations and no input normalization (same
+        parameters), for SynFlow."""
+        return make_model(num_classes, **dataclasses.asdict(self), linearized=True)
+
+    def check_features(self, features: dict) -> None:
+        """Raises ValueError, saying what to bind, if the dataset's examples are not what this
+        model is built for (scatter models: ScatterNet features; tanh_cnn: pixels; mlp and
+        logistic take either)."""
+        want = REQUIRED_FEATURES.get(self.name, "pixels" if self.name == "tanh_cnn" else None)
+        if want is not None and features.get("kind") != want:
+            raise ValueError(
+                f"model.name = {self.name!r} is built for {want} but the dataset's examples are "
+                f"{features.get('kind')}: bind dataset.features = {want!r}" + (
+                    f" (gin/model/{self.name}.gin does)" if want != "pixels" else ""))
+
+    def describe_inputs(self) -> list:
+        """What the model does to its inputs before any learned layer, for the privacy
+        statement (each as {"what", "why"})."""
+        if self.name in REQUIRED_FEATURES:
+            return [dict(what=f"GroupNorm over each example's own feature channels "
+                              f"({self.input_norm_groups} groups, no learned scale or bias)",
+                         why="computed from that one example alone, with no statistic of the "
+                             "data: no privacy cost, no release")]
+        if self.name == "tanh_cnn" and self.center_inputs:
+            return [dict(what="pixels mapped from [0, 1] to [-1, 1]",
+                         why="a fixed map: no privacy cost")]
+        return []
 
 
 def cross_entropy_loss(model: nn.Module):

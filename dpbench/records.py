@@ -18,15 +18,15 @@ PACKAGES = ("jax", "jaxlib", "flax", "optax", "dp-accounting", "gin-config", "or
             "numpy")
 
 
-def atomic_write_text(path: Path, text: str) -> None:
-    """Writes ``text`` to ``path`` via a temporary file in the same directory and a rename, so a
-    crash leaves either the old file or the new one, never a half-written one."""
+def atomic_write(path: Path, write) -> None:
+    """Calls ``write(f)`` on a binary file in ``path``'s directory, then renames it to ``path``:
+    a crash leaves either the old file or the new one, never a half-written one."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
+        with os.fdopen(fd, "wb") as f:
+            write(f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -34,6 +34,11 @@ def atomic_write_text(path: Path, text: str) -> None:
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    """``atomic_write`` of a UTF-8 text."""
+    atomic_write(path, lambda f: f.write(text.encode()))
 
 
 def _json_default(value):
@@ -151,14 +156,16 @@ def _describe_mechanism(m: dict) -> str:
 def privacy_statement(*, epsilon: float, delta: float, mechanisms: list, sampler: dict,
                       steps: int, accountant: str, accountant_version: str,
                       accountant_settings: dict, accounting_note: str,
-                      not_covered: list) -> dict:
+                      not_covered: list, inputs: list = ()) -> dict:
     """The claim a run makes, generated from its privacy ledger.
 
     ``mechanisms`` are the ledger's lines as plain dicts (``mechanism_fields``): the statement
     lists every one of them (machine-readable and in words), the sampler, the step count, the
     accountant and its version; ``not_covered`` lists, as {"what", "why"}, everything the run
     touched that the epsilon does NOT protect (validation split, public split, tuning,
-    non-private diagnostics, ...).
+    non-private diagnostics, ...); ``inputs`` lists, the same way, what is done to each
+    example before the model's first learned layer (feature transforms, per-example
+    normalization) and why it costs nothing.
     """
     poisson = sampler.get("poisson_accounted", False)
     text = (f"({epsilon:.6g}, {delta:g})-DP under add/remove-one-example adjacency for the "
@@ -167,6 +174,9 @@ def privacy_statement(*, epsilon: float, delta: float, mechanisms: list, sampler
             f"{accountant} ({accountant_version}; {accounting_note}): ")
     text += "; ".join(f"({i + 1}) {_describe_mechanism(m)}" for i, m in enumerate(mechanisms))
     text += f". {steps} training steps in all."
+    if inputs:
+        text += " Inputs, at no privacy cost: " + "; ".join(
+            f"{item['what']} ({item['why']})" for item in inputs) + "."
     if not poisson:
         text += (" WARNING: batches were shuffled fixed-size batches; the epsilon above is the "
                  "Poisson-sampling epsilon and does NOT hold for this run.")
@@ -179,4 +189,5 @@ def privacy_statement(*, epsilon: float, delta: float, mechanisms: list, sampler
                 sampling=sampler["sampling"], sampling_rate=sampler["sampling_rate"],
                 poisson_accounted=poisson, padded_batch_size=sampler.get("padded_batch_size"),
                 truncated_poisson=sampler.get("truncated", False),
-                mechanisms=list(mechanisms), not_covered=list(not_covered), statement=text)
+                mechanisms=list(mechanisms), not_covered=list(not_covered),
+                inputs=list(inputs), statement=text)

@@ -131,7 +131,7 @@ def run_settings(*, pipeline_name, compiled, dataset, config: TrainConfig, budge
     settings = dict(
         pipeline=pipeline_name,
         stages=compiled.plan.facts(),
-        dataset=dataset.name, dataset_size=len(dataset.train),
+        dataset=dataset.name, features=dataset.features, dataset_size=len(dataset.train),
         validation_size=len(dataset.validation),
         public_size=0 if dataset.public is None else len(dataset.public),
         model=model_name, batch_size=config.batch_size,
@@ -163,6 +163,7 @@ class Run:
     total_steps: int
     steps_per_epoch: float
     compile_s: float
+    inputs: tuple = ()  # what happens to an example before the model's first learned layer
 
     def host_batch(self, step: int, stage_inputs: bool = True) -> dict:
         """The sampler's batch for ``step`` (and the stages' host randomness), on the mesh."""
@@ -189,6 +190,7 @@ def build_run(stages: Sequence[Stage], config: TrainConfig, budget: accounting.B
     n = len(dataset.train)
     budget.validate(n)
     model_config = models.ModelConfig() if model_config is None else model_config
+    model_config.check_features(dataset.features)
     model = model_config.build(dataset.num_classes)
     example_shape = dataset.input_shape
 
@@ -219,7 +221,18 @@ def build_run(stages: Sequence[Stage], config: TrainConfig, budget: accounting.B
     return Run(dataset=dataset, model=model, model_name=model_config.name, sampler=sampler,
                mesh=mesh, compiled=compiled, params_key=params_key, run_key=run_key,
                init_params=init_params, total_steps=total_steps,
-               steps_per_epoch=steps_per_epoch, compile_s=time.time() - t0)
+               steps_per_epoch=steps_per_epoch, compile_s=time.time() - t0,
+               inputs=tuple(describe_features(dataset.features) + model_config.describe_inputs()))
+
+
+def describe_features(features: dict) -> list:
+    """The dataset's feature transform for the privacy statement (nothing for raw pixels)."""
+    if features.get("kind") == "pixels":
+        return []
+    params = ", ".join(f"{k}={v}" for k, v in features.items() if k != "kind")
+    return [dict(what=f"{features['kind']} features of each example ({params})",
+                 why="a fixed transform of that example alone with data-independent filters: "
+                     "no privacy cost, no release")]
 
 
 @dataclasses.dataclass
@@ -448,7 +461,7 @@ def _privacy_statement(run: Run, budget, config: TrainConfig, end_step: int,
         accountant=budget.accountant, accountant_version=accounting.accountant_version(),
         accountant_settings=accounting.accountant_settings(budget),
         accounting_note=accounting.accounting_note(compiled.run_event(end_step), budget),
-        not_covered=not_covered(run.dataset, config))
+        not_covered=not_covered(run.dataset, config), inputs=list(run.inputs))
 
 
 def _fidelity_summary(config: TrainConfig, fidelity: dict) -> Optional[dict]:
@@ -471,8 +484,8 @@ def _run_record(loop: _Loop, state, progress: Progress, pipeline_name: str, gin_
     steady = progress.interval_step_s[1:] or progress.interval_step_s  # first holds compile
     return dict(
         pipeline=pipeline_name, gin_files=list(gin_files), stages=compiled.plan.facts(),
-        dataset=dataset.name, model=run.model_name, dataset_size=len(dataset.train),
-        validation_size=len(dataset.validation),
+        dataset=dataset.name, features=dataset.features, model=run.model_name,
+        dataset_size=len(dataset.train), validation_size=len(dataset.validation),
         public_size=0 if dataset.public is None else len(dataset.public),
         target_epsilon=budget.epsilon, epsilon=epsilon, delta=budget.delta,
         accountant=budget.accountant, noise_multiplier=compiled.noise_multiplier,

@@ -14,6 +14,21 @@ from dpbench import accounting, compiler, models, sampling, stages
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.fixture(autouse=True, scope="session")
+def feature_cache(tmp_path_factory):
+    """Feature caches of the whole session in one temporary folder, never the user's
+    (subprocesses inherit it through the environment)."""
+    import os
+    folder = tmp_path_factory.mktemp("dpbench-cache")
+    old = os.environ.get("DPBENCH_CACHE_DIR")
+    os.environ["DPBENCH_CACHE_DIR"] = str(folder)
+    yield folder
+    if old is None:
+        os.environ.pop("DPBENCH_CACHE_DIR", None)
+    else:
+        os.environ["DPBENCH_CACHE_DIR"] = old
+
+
 @pytest.fixture(autouse=True)
 def clean_gin():
     gin.clear_config()

@@ -65,7 +65,7 @@ def test_carving_is_disjoint_covering_and_deterministic():
                               split_seed=4)
     assert not np.array_equal(ds.validation_indices, other.validation_indices)
     # the split rows really are the original rows at those indices
-    raw_train_y = data._CACHE[("fashion_mnist", str(FMNIST))][1]
+    raw_train_y = data._CACHE[("fashion_mnist", str(FMNIST), "pixels", None)][0][1]
     np.testing.assert_array_equal(ds.validation.labels, raw_train_y[ds.validation_indices])
 
 
@@ -169,7 +169,7 @@ def test_tfds_name_downloads_prepares_and_loads_offline(name, shape, tmp_path, m
     assert sorted(served.requested) == sorted(served.files)  # the real URLs, each fetched once
     version_dirs = list((tmp_path / name).iterdir())
     assert len(version_dirs) == 1 and list(version_dirs[0].glob(f"{name}-train.array_record-*"))
-    train_x, train_y, test_x, test_y, num_classes = data._CACHE[(name, str(tmp_path))]
+    train_x, train_y, test_x, test_y, num_classes = data._CACHE[(name, str(tmp_path), "pixels", None)][0]
     assert num_classes == 10 and ds.num_classes == 10 and ds.input_shape == shape
     assert _rows(train_x, train_y) == _rows(*served.expected["train"])
     assert _rows(test_x, test_y) == _rows(*served.expected["test"])
@@ -183,7 +183,7 @@ def test_tfds_name_downloads_prepares_and_loads_offline(name, shape, tmp_path, m
         assert 0 in set(train_y.tolist()) and 10 not in set(train_y.tolist())
 
     tfds_offline.no_network(monkeypatch)
-    data._CACHE.pop((name, str(tmp_path))), data._CARVED.clear()
+    data._CACHE.pop((name, str(tmp_path), "pixels", None)), data._CARVED.clear()
     again = data.load_dataset(name, data_dir=str(tmp_path), validation_size=2, public_size=1)
     np.testing.assert_array_equal(again.train.images, ds.train.images)
     np.testing.assert_array_equal(again.test.labels, ds.test.labels)

@@ -40,11 +40,52 @@ def test_max_pool_2x2_stride_1_equals_flax_max_pool_with_its_gradient():
         jax.grad(lambda h: jnp.vdot(flax_pool(h), cotangent))(x), rtol=1e-6, atol=1e-6)
 
 
+def _input_shape(name):
+    """28x28 Fashion-MNIST pixels, or their ScatterNet features (J=2, L=8)."""
+    return (7, 7, 81) if name in models.REQUIRED_FEATURES else (28, 28, 1)
+
+
 @pytest.mark.parametrize("name", models.MODELS)
-def test_models_give_logits_for_28x28(name):
+def test_models_give_logits_and_their_twin_has_the_same_parameters(name):
     model = models.make_model(10, name=name)
-    params = model.init(jax.random.key(0), jnp.zeros((1, 28, 28, 1)))
-    assert model.apply(params, jnp.zeros((5, 28, 28, 1))).shape == (5, 10)
+    shape = _input_shape(name)
+    params = model.init(jax.random.key(0), jnp.zeros((1,) + shape))
+    assert model.apply(params, jnp.zeros((5,) + shape)).shape == (5, 10)
+    twin = models.make_model(10, name=name, linearized=True)
+    assert jax.tree.map(jnp.shape, twin.init(jax.random.key(0), jnp.zeros((1,) + shape))) == \
+        jax.tree.map(jnp.shape, params)
+    ones = jnp.ones((1,) + shape)
+    if name != "tanh_cnn":  # (tanh_cnn's twin keeps its input centering: a fixed affine map)
+        assert float(jnp.abs(jax.grad(lambda p: twin.apply(p, ones).sum())(params)[
+            "params"]["Dense_0"]["kernel"]).sum()) > 0  # SynFlow sees a signal
+
+
+def test_scatter_models_have_tramer_boneh_shapes_and_normalize_each_example_alone():
+    rng = np.random.default_rng()
+    x = jnp.asarray(rng.normal(size=(4, 7, 7, 81)).astype(np.float32))
+    for name, sizes in {
+            "scatter_linear": {"Dense_0": (3969, 10)},
+            "scatter_cnn": {"Conv_0": (3, 3, 81, 16), "Conv_1": (3, 3, 16, 32),
+                            "Dense_0": (512, 32), "Dense_1": (32, 10)}}.items():
+        model = models.make_model(10, name=name)
+        params = model.init(jax.random.key(0), x)
+        assert {k: v["kernel"].shape for k, v in params["params"].items()} == sizes
+        full = model.apply(params, x)
+        single = jnp.concatenate([model.apply(params, x[i:i + 1]) for i in range(4)])
+        np.testing.assert_allclose(full, single, atol=1e-5)  # no cross-example mixing
+        # GroupNorm: each example is normalized by its own statistics (27 groups of 3)
+        shifted = x.at[0].set(5.0 * x[0] + 3.0)
+        np.testing.assert_allclose(model.apply(params, shifted)[0], full[0], atol=1e-3)
+
+
+def test_a_model_refuses_features_it_is_not_built_for():
+    scatter = models.ModelConfig(name="scatter_linear")
+    scatter.check_features(dict(kind="scattering", J=2, L=8))
+    with pytest.raises(ValueError, match="dataset.features = 'scattering'"):
+        scatter.check_features(dict(kind="pixels"))
+    with pytest.raises(ValueError, match="dataset.features = 'pixels'"):
+        models.ModelConfig(name="tanh_cnn").check_features(dict(kind="scattering"))
+    models.ModelConfig(name="logistic").check_features(dict(kind="scattering"))
 
 
 def test_tanh_cnn_has_papernot_shape_and_both_conv_impls_agree():

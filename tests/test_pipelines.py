@@ -110,6 +110,47 @@ def test_pipeline_trains_on_digits(pipeline, tmp_path):
     check_golden(pipeline, record)
 
 
+@pytest.mark.parametrize("pipeline", PIPELINES)
+def test_pipeline_trains_on_scatter_linear(pipeline, tmp_path):
+    """Every pipeline on the second model family: ScatterNet features + linear (digits)."""
+    files = [f"pipelines/{pipeline}", "gin/data/digits.gin", "gin/model/scatter_linear.gin"]
+    config.parse_config(files, ["train.epochs = 2", "train.log_every_steps = 5",
+                              "dataset.public_size = 64", "gep.embed_and_clip.num_anchors = 64",
+                              "gep.embed_and_clip.num_basis = 48"])
+    record = train.train(tmp_path / "run", gin_files=files)
+    assert record["model"] == "scatter_linear" and record["features"]["kind"] == "scattering"
+    assert record["epsilon"] <= record["target_epsilon"]
+    assert record["test_accuracy"] > 0.2
+    check_statement(record)
+    inputs = [item["what"] for item in record["privacy_statement"]["inputs"]]
+    assert any("scattering features" in w for w in inputs)
+    assert any("GroupNorm over each example's own" in w for w in inputs)
+    for what in inputs:
+        assert what in record["privacy_statement"]["statement"]
+
+
+def test_the_scatter_linear_recipe_binds_its_model_features_and_settings():
+    import gin
+    from dpbench import models
+    config.parse_config(["gin/recipes/dpsgd_scatter_linear.gin"], [])
+    assert models.ModelConfig().name == "scatter_linear"
+    assert gin.query_parameter("dataset.features") == "scattering"
+    assert config.TrainConfig().batch_size == 16384
+    assert gin.query_parameter("pipeline.name") == "dpsgd"
+
+
+def test_scatter_cnn_trains_and_a_scatter_model_refuses_pixels(tmp_path):
+    files = ["pipelines/dpsgd.gin", "gin/data/digits.gin", "gin/model/scatter_cnn.gin"]
+    config.parse_config(files, ["train.epochs = 2"])
+    record = train.train(tmp_path / "run", gin_files=files)
+    assert record["model"] == "scatter_cnn" and record["test_accuracy"] > 0.2
+    assert record["per_example_strategy"] == "bookkeeping"  # GroupNorm without parameters
+    config.parse_config(files, ["train.epochs = 2", "dataset.features = 'pixels'"])
+    with pytest.raises(ValueError, match="bind dataset.features = 'scattering'"):
+        train.train(tmp_path / "pixels", gin_files=files)
+    assert not (tmp_path / "pixels" / records.RECORD_NAME).exists()
+
+
 @pytest.mark.parametrize("prune", ["synflow", "dp_snip"])
 def test_dpssgd_prune_variants_by_binding(prune, tmp_path):
     files = ["pipelines/dpssgd.gin", "gin/data/digits.gin"]

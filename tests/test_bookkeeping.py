@@ -56,6 +56,8 @@ def test_same_clipped_sum_either_way(name, shape, kind):
     for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
         np.testing.assert_allclose(g, w, rtol=2e-4, atol=2e-6)
     assert float(jnp.abs(jax.tree.leaves(got)[0]).sum()) > 0  # not vacuous
+    if kind != "rs":
+        return  # the whole step once (compiling two more steps per case costs suite time)
     _, fast_metrics = fast.step(state, batch)
     state2 = slow.init_state(model.init(jax.random.key(1), jnp.zeros((1,) + shape)),
                              jax.random.key(2))

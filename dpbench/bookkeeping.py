@@ -29,7 +29,6 @@ from typing import Optional
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import optax
 
 from dpbench import models
 from dpbench.stages.base import Kind, Mask
@@ -185,7 +184,7 @@ def _output_gradients(model: nn.Module, taps: tuple, params, images, labels, mas
 
     def total_loss(perturbations):
         logits, inputs = forward(model, params, images, perturbations)
-        losses = optax.softmax_cross_entropy_with_integer_labels(logits, labels)
+        losses = models.logits_loss(logits, labels)
         return jnp.sum(jnp.where(mask, losses, 0.0)), (inputs, losses)
 
     (_, (inputs, losses)), deltas = jax.value_and_grad(total_loss, has_aux=True)(perturbations)

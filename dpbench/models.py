@@ -244,13 +244,19 @@ class ModelConfig:
         return []
 
 
-def cross_entropy_loss(model: nn.Module):
-    """The per-example loss ``loss(params, image, label)`` for ONE (H, W, C) image."""
+def logits_loss(logits, labels):
+    """The training loss of logits against integer labels, per example: the one definition
+    used by cross_entropy_loss (per-example gradients) and by book-keeping (a batched pass)."""
     import optax
 
+    return optax.softmax_cross_entropy_with_integer_labels(logits, labels)
+
+
+def cross_entropy_loss(model: nn.Module):
+    """The per-example loss ``loss(params, image, label)`` for ONE (H, W, C) image."""
+
     def loss(params, image, label):
-        logits = model.apply(params, image[None])[0]
-        return optax.softmax_cross_entropy_with_integer_labels(logits, label)
+        return logits_loss(model.apply(params, image[None])[0], label)
 
     return loss
 

@@ -30,6 +30,7 @@ from typing import Optional
 import numpy as np
 
 from dpbench import records as records_lib
+from dpbench import tuning
 
 GROUP_PATTERN = re.compile(r"^(?P<dataset>[\w\-]+)__(?P<model>[\w\-]+)__eps(?P<eps>[0-9.e+\-]+)"
                            r"__delta(?P<delta>[0-9.e+\-]+)$")
@@ -206,6 +207,7 @@ def summarize(records: list[dict], audits: dict, out_dir: Path,
     table = {}
     for group, methods in sorted(groups.items()):
         group_epsilon = round(float(GROUP_PATTERN.match(group)["eps"]), 2)
+        search = _search_of(methods)
         rows = []
         for method, configs in sorted(methods.items()):
             key, _, val_mean = choose_configuration(configs)
@@ -231,7 +233,8 @@ def summarize(records: list[dict], audits: dict, out_dir: Path,
                 noise_to_signal=(float(np.mean([f["noise_to_signal_mean"] for f in fidelity]))
                                  if fidelity else None),
                 statement=Path(first["_path"]).resolve().relative_to(out_dir.resolve())
-                if _is_below(first["_path"], out_dir) else Path(first["_path"])))
+                if _is_below(first["_path"], out_dir) else Path(first["_path"]),
+                search=search.get(method)))
         base = next((r for r in rows if r["method"] == BASELINE), None)
         for row in rows:
             row["gain"] = None if base is None else row["test_mean"] - base["test_mean"]
@@ -244,6 +247,19 @@ def summarize(records: list[dict], audits: dict, out_dir: Path,
         rows.sort(key=lambda r: (-r["test_mean"], r["method"]))
         table[group] = rows
     return table
+
+
+def _search_of(methods: dict) -> dict:
+    """method -> tuning.search_summary of the group's search (v2 groups: a search.json next to
+    the records); {} for a v1 group."""
+    first = next(iter(next(iter(methods.values())).values()))[0]
+    group_dir = Path(first["_path"]).parent.parent
+    if not (group_dir / "search.json").exists():
+        return {}
+    try:
+        return tuning.search_summary(group_dir)
+    except (tuning.SearchRecordError, KeyError) as e:
+        raise LeaderboardError(str(e)) from e
 
 
 def _is_below(path, directory) -> bool:
@@ -259,7 +275,9 @@ def _fmt(value, spec, missing="n/a"):
 
 
 COLUMNS = ("method", "configuration (chosen on validation)", "test acc (mean ± std)",
-           "gain vs DP-SGD (± s.e.)", "seeds", "configs tried", "σ", "steps", "batch", "epochs", "ε (reported)", "accountant", "sampling",
+           "gain vs DP-SGD (± s.e.)", "seeds", "configs tried", "trials K (law)",
+           "ε incl. tuning", "σ", "steps", "batch", "epochs", "ε (reported)", "accountant",
+           "sampling",
            "step time vs DP-SGD", "audit ε_lb", "cos(release, clean)", "noise/signal",
            "privacy statement")
 
@@ -270,7 +288,15 @@ SELECTION_RULE = ("Per method, the configuration with the best mean validation a
                   "test accuracy never picks anything. 'configuration' names what sets the "
                   "chosen one apart from the method's others. The gain's ± is the standard "
                   "error of the difference of the two means (Welch), shown once both rows "
-                  "have 2 or more seeds.")
+                  "have 2 or more seeds. "
+                  "'trials K' and 'ε incl. tuning' (v2 groups, run by `dpbench sweep` from "
+                  "leaderboard/protocol.json): every method of a group ran the same K = 1 + J "
+                  "trials (trial 0 its paper's recipe, J drawn once per group from the stated "
+                  "law); 'ε incl. tuning' is the RDP epsilon of releasing the search's winner "
+                  "(trial 0 composed with dp_accounting's RepeatAndSelectDpEvent over the "
+                  "space's worst run), recomputed from the records. It covers a release of the "
+                  "one selected model with K and the other trials kept secret: this board "
+                  "publishes them all, for research.")
 
 
 def _cells(row) -> list[str]:
@@ -278,13 +304,27 @@ def _cells(row) -> list[str]:
             f"{100 * row['test_mean']:.2f} ± {100 * row['test_std']:.2f}",
             _fmt(None if row["gain"] is None else 100 * row["gain"], "+.2f")
             + ("" if row["gain_se"] is None else f" ± {100 * row['gain_se']:.2f}"),
-            str(row["seeds"]), str(row["configs_tried"]), f"{row['noise_multiplier']:.4f}",
+            str(row["seeds"]), str(row["configs_tried"]), _trials_cell(row["search"]),
+            _fmt(None if row["search"] is None else row["search"]["search_epsilon"], ".3f"),
+            f"{row['noise_multiplier']:.4f}",
             str(row["steps"]), str(row["batch_size"]), f"{row['epochs']:g}",
             f"{row['epsilon']:.4f}", row["accountant"], row["sampling"],
             _fmt(row["step_ratio"], ".2f") + ("" if row["step_ratio"] is None else
                                                "x" if row["step_source"] == "bench" else "x†"),
             _fmt(row["audit_epsilon_lb"], ".3f"), _fmt(row["fidelity_cosine"], ".3f"),
             _fmt(row["noise_to_signal"], ".2f"), str(row["statement"])]
+
+
+LAWS = {0: "logarithmic", 1: "geometric", "inf": "Poisson"}
+
+
+def _trials_cell(search) -> str:
+    """'K (1 + J, J ~ law with mean m)' for a v2 search; 'n/a' for a v1 group."""
+    if search is None:
+        return "n/a"
+    law = search["law"]
+    name = LAWS.get(law["shape"], f"truncated neg. binomial, shape {law['shape']}")
+    return f"{search['num_trials']} (1 + J, J ~ {name}, mean {law['mean_random']:g})"
 
 
 def render_markdown(table: dict, plots: dict, note: str = "") -> str:

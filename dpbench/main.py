@@ -34,12 +34,16 @@ def main(argv) -> None:
 
 def run():
     """The console script: ``dpbench [flags]`` trains; ``dpbench audit [flags]`` audits;
-    ``dpbench leaderboard [flags]`` renders the board from run records."""
+    ``dpbench leaderboard [flags]`` renders the board from run records; ``dpbench sweep
+    [flags]`` runs the board's tuning protocol on Ray Tune."""
     # Imported on demand: each subcommand's module is slow to import (matplotlib, the audit's
     # flags), and none of them imports this module (no cycle).
     if len(sys.argv) > 1 and sys.argv[1] == "leaderboard":
         from dpbench import leaderboard
         sys.exit(leaderboard.main(sys.argv[2:]))
+    if len(sys.argv) > 1 and sys.argv[1] == "sweep":
+        from dpbench import sweep
+        sys.exit(sweep.main(sys.argv[2:]))
     if len(sys.argv) > 1 and sys.argv[1] == "audit":
         from dpbench import audit
         sys.argv = [f"{sys.argv[0]} audit"] + sys.argv[2:]

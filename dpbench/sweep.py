@@ -1,0 +1,283 @@
+"""``dpbench sweep``: board v2's trials on Ray Tune (the optional ``[sweep]`` extra).
+
+  dpbench sweep [--protocol=leaderboard/protocol.json] [--families F ...] [--epsilons E ...]
+                [--methods M ...] [--runs_dir=runs/sweep] [--records=leaderboard/records]
+                [--address=ray://host:10001] [--cpus_per_trial=1]
+
+Per group (family, epsilon) of the protocol (dpbench/tuning.py):
+  1. prepare: J is drawn, every method's K = 1 + J trial bindings are fixed, and the event of
+     every point of the space's privacy support is computed (no training); all of it goes to
+     ``<records>/<group>/search.json`` once (a rerun checks the protocol has not changed);
+  2. search: every method's K trials on seed 0, one Tune trial each;
+  3. seeds: each method's winner on validation (the board's rule) on the other seeds.
+Each dpbench run trains in ``<runs_dir>/<group>/<method>-t<trial>-seed<seed>`` (its own
+checkpoints: a trial Tune restarts resumes) and its record is published atomically to
+``<records>/<group>/<method>-t<trial>-seed<seed>/run_record.json``; a run that diverges
+publishes ``diverged.json`` there instead (a trial it was, and it can never win). Both phases
+are Tune experiments under ``<runs_dir>/tune/``: rerunning the same command restores them with
+Tune's own restore, so no finished trial runs again. Locally Ray gets every core and each trial
+one (``--cpus_per_trial``), pinned to a free core when one is; ``--address`` joins a running Ray
+cluster instead (its workers need dpbench installed at the same path).
+"""
+
+from __future__ import annotations
+
+import argparse
+import fcntl
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from dpbench import records as records_lib
+from dpbench import tuning
+
+REPO = Path(__file__).resolve().parents[1]
+SEARCH_FILE = "search.json"
+DIVERGED = "diverged.json"
+LAUNCH_LOG = "launches.log"  # one line per dpbench run a trial started (tests read it)
+
+
+def run_dir_name(method: str, trial: int, seed: int) -> str:
+    return f"{method}-t{trial}-seed{seed}"
+
+
+def support_event(gin_files, bindings) -> dict:
+    """The DpEvent (JSON) a run with these settings would have, from the compiler's own
+    accounting; nothing trains."""
+    from dpbench import accounting, config, train
+    config.parse_config(list(gin_files), list(bindings))
+    _, stages = train.pipeline_stages()
+    run = train.build_run(stages, config.TrainConfig(), accounting.Budget())
+    return accounting.event_to_json(run.compiled.run_event())
+
+
+def plan_group(protocol: dict, family: str, epsilon: float, methods) -> dict:
+    """What search.json holds for one group (trial bindings and the support's events)."""
+    group = tuning.group_name(family, epsilon, protocol["delta"])
+    spec = protocol["families"][family]
+    num_random = tuning.draw_random_trials(protocol["trials"], group)
+    plan = dict(group=group, family=family, epsilon=float(epsilon), delta=protocol["delta"],
+                trials_law=dict(protocol["trials"]), num_random=num_random,
+                num_trials=1 + num_random, seeds=list(protocol["seeds"]),
+                family_spec=spec, methods={})
+    eps_binding = f"EPSILON = {float(epsilon)}"
+    for method in methods:
+        gin_files = [spec["methods"][method]["gin_file"], *spec.get("gin_files", [])]
+        trials = tuning.trial_bindings(protocol, family, group, method, num_random)
+        support = [dict(bindings=b, event=support_event(gin_files, [*b, eps_binding]))
+                   for b in tuning.privacy_support(protocol, family, method)]
+        plan["methods"][method] = dict(gin_files=gin_files, trials=trials, support=support)
+    return plan
+
+
+def prepare(protocol: dict, family: str, epsilon: float, methods, records: Path) -> dict:
+    """search.json of the group: written once; a rerun must find the same trials."""
+    group = tuning.group_name(family, epsilon, protocol["delta"])
+    path = records / group / SEARCH_FILE
+    if path.exists():
+        plan = json.loads(path.read_text())
+        missing = [m for m in methods if m not in plan["methods"]]
+        for method in set(methods) - set(missing):
+            fresh = tuning.trial_bindings(protocol, family, group, method, plan["num_random"])
+            if fresh != plan["methods"][method]["trials"] or plan["family_spec"] != \
+                    protocol["families"][family]:
+                raise tuning.ProtocolError(
+                    f"{path}: the protocol changed since this search began ({method}'s trials "
+                    "differ); restore the protocol, or start a new board in another --records")
+        if not missing:
+            return plan
+        extra = plan_group(protocol, family, epsilon, missing)
+        plan["methods"].update(extra["methods"])
+    else:
+        plan = plan_group(protocol, family, epsilon, methods)
+    records_lib.atomic_write_text(path, json.dumps(plan, indent=1, sort_keys=True) + "\n")
+    return plan
+
+
+def _lock_free_core(lock_dir: Path):
+    """(core, open lock file) for a core no other trial of this machine holds, or (None, None).
+    Why: two processes each pinned to one core ran 1.7x the steps of unpinned ones here."""
+    if not hasattr(os, "sched_getaffinity"):
+        return None, None
+    lock_dir.mkdir(parents=True, exist_ok=True)
+    for core in sorted(os.sched_getaffinity(0)):
+        handle = open(lock_dir / f"core{core}.lock", "w")
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return core, handle
+        except OSError:
+            handle.close()
+    return None, None
+
+
+def _child_setup(core) -> None:
+    """In the dpbench child: die with the Ray worker (an interrupted sweep must leave no run
+    writing into a workdir that the restored trial resumes), and pin to ``core``."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    if core is not None:
+        os.sched_setaffinity(0, {core})
+
+
+def _published(job: dict) -> Path:
+    return Path(job["records"]) / job["group"] / run_dir_name(job["method"], job["trial"],
+                                                             job["seed"])
+
+
+def _result(target: Path) -> dict:
+    if (target / DIVERGED).exists():
+        return dict(validation_accuracy=-1.0, diverged=True)
+    record = json.loads((target / records_lib.RECORD_NAME).read_text())
+    return dict(validation_accuracy=record["validation_accuracy"], diverged=False)
+
+
+def run_job(job: dict) -> dict:
+    """Trains one trial with the dpbench command and publishes what it left. Skips a trial
+    whose record is already published."""
+    target = _published(job)
+    if (target / records_lib.RECORD_NAME).exists() or (target / DIVERGED).exists():
+        return _result(target)
+    workdir = Path(job["runs_dir"]) / job["group"] / target.name
+    workdir.parent.mkdir(parents=True, exist_ok=True)
+    if (workdir / records_lib.RECORD_NAME).exists():
+        # it finished, but the sweep was stopped before publishing it: publish, never rerun
+        records_lib.atomic_write_text(target / records_lib.RECORD_NAME,
+                                      (workdir / records_lib.RECORD_NAME).read_text())
+        return _result(target)
+    command = [sys.executable, "-m", "dpbench.main", f"--workdir={workdir}",
+               *[f"--gin_file={f}" for f in job["gin_files"]],
+               *[f"--gin_bindings={b}" for b in job["bindings"]],
+               f"--gin_bindings=EPSILON = {job['epsilon']}",
+               f"--gin_bindings=train.seed = {job['seed']}"]
+    with open(Path(job["runs_dir"]) / LAUNCH_LOG, "a") as log:
+        log.write(f"{job['group']}/{target.name}\n")
+    core, lock = _lock_free_core(Path(job["runs_dir"]) / "core-locks")
+    try:
+        with open(workdir.parent / f"{workdir.name}.log", "a") as log:
+            proc = subprocess.run(command, cwd=job["repo"], stdout=log, stderr=log,
+                                  preexec_fn=lambda: _child_setup(core))
+    finally:
+        if lock is not None:
+            lock.close()
+    if proc.returncode == 0 and (workdir / records_lib.RECORD_NAME).exists():
+        records_lib.atomic_write_text(target / records_lib.RECORD_NAME,
+                                      (workdir / records_lib.RECORD_NAME).read_text())
+        return _result(target)
+    tail = (workdir.parent / f"{workdir.name}.log").read_text()[-2000:]
+    if "training diverged" in tail:
+        records_lib.atomic_write_text(target / DIVERGED, json.dumps(
+            dict(job={k: job[k] for k in ("group", "method", "trial", "seed", "bindings")},
+                 log_tail=tail[-600:]), indent=1) + "\n")
+        return _result(target)
+    raise RuntimeError(f"{target.name} failed (exit {proc.returncode}); log: {workdir}.log:\n"
+                       f"{tail[-800:]}")
+
+
+def _trainable(config: dict) -> None:
+    from ray import tune
+    tune.report(run_job(config["job"]))
+
+
+def _jobs(plans, phase: str, args, winners=None) -> list:
+    base = dict(records=str(args.records.resolve()), runs_dir=str(args.runs_dir.resolve()),
+                repo=str(REPO))
+    jobs = []
+    for plan in plans:
+        for method, m in sorted(plan["methods"].items()):
+            if phase == "search":
+                runs = [(t, plan["seeds"][0]) for t in range(plan["num_trials"])]
+            else:
+                runs = [(winners[(plan["group"], method)], s) for s in plan["seeds"][1:]]
+            jobs += [dict(base, group=plan["group"], epsilon=plan["epsilon"], method=method,
+                          trial=t, seed=s, gin_files=m["gin_files"], bindings=m["trials"][t])
+                     for t, s in runs]
+    return jobs
+
+
+def winners_of(plans, records: Path) -> dict:
+    """(group, method) -> the trial chosen on validation among its published seed-0 runs."""
+    out = {}
+    for plan in plans:
+        for method in plan["methods"]:
+            validation = {}
+            for trial in range(plan["num_trials"]):
+                target = records / plan["group"] / run_dir_name(method, trial, plan["seeds"][0])
+                result = _result(target)
+                validation[trial] = None if result["diverged"] else result["validation_accuracy"]
+            out[(plan["group"], method)] = tuning.choose_trial(validation)
+    return out
+
+
+def run_phase(name: str, jobs: list, args) -> list:
+    """One Tune experiment over ``jobs`` (restored when it exists). Returns failed jobs."""
+    from ray import tune
+    storage = (args.runs_dir / "tune").resolve()
+    key = hashlib.sha256(json.dumps(jobs, sort_keys=True).encode()).hexdigest()[:10]
+    path = storage / f"{name}-{key}"
+    trainable = tune.with_resources(_trainable, {"cpu": args.cpus_per_trial})
+    if tune.Tuner.can_restore(str(path)):
+        print(f"restoring {path}", flush=True)
+        tuner = tune.Tuner.restore(str(path), trainable, resume_errored=True)
+    else:
+        tuner = tune.Tuner(trainable, param_space={"job": tune.grid_search(jobs)},
+                           tune_config=tune.TuneConfig(reuse_actors=False),
+                           run_config=tune.RunConfig(storage_path=str(storage), name=path.name,
+                                                     verbose=1))
+    results = tuner.fit()
+    return [r.config["job"] for r in results if r.error is not None]
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="dpbench sweep", description=__doc__.split("\n")[0])
+    parser.add_argument("--protocol", type=Path, default=REPO / "leaderboard" / "protocol.json")
+    parser.add_argument("--families", nargs="+", default=None)
+    parser.add_argument("--epsilons", nargs="+", type=float, default=None)
+    parser.add_argument("--methods", nargs="+", default=None)
+    parser.add_argument("--runs_dir", type=Path, default=REPO / "runs" / "sweep")
+    parser.add_argument("--records", type=Path, default=REPO / "leaderboard" / "records")
+    parser.add_argument("--address", default=None, help="an existing Ray cluster's address")
+    parser.add_argument("--cpus", type=int, default=None, help="CPUs of the local Ray instance")
+    parser.add_argument("--cpus_per_trial", type=float, default=1.0)
+    args = parser.parse_args(argv)
+    try:
+        protocol = tuning.load_protocol(args.protocol)
+        plans = []
+        for family in args.families or sorted(protocol["families"]):
+            if family not in protocol["families"]:
+                raise tuning.ProtocolError(f"family {family!r} is not in {args.protocol}; "
+                                           f"it has {sorted(protocol['families'])}")
+            methods = args.methods or list(protocol["families"][family]["methods"])
+            unknown = set(methods) - set(protocol["families"][family]["methods"])
+            if unknown:
+                raise tuning.ProtocolError(f"{family} has no method(s) {sorted(unknown)}")
+            for epsilon in args.epsilons or protocol["epsilons"]:
+                plans.append(prepare(protocol, family, epsilon, methods, args.records))
+                print(f"{plans[-1]['group']}: K = {plans[-1]['num_trials']} trials per method",
+                      flush=True)
+    except tuning.ProtocolError as e:
+        print(f"dpbench: error: {e}", file=sys.stderr)
+        return 2
+    for plan in plans:  # only the selected methods run
+        keep = args.methods or list(plan["methods"])
+        plan["methods"] = {m: v for m, v in plan["methods"].items() if m in keep}
+    import ray
+    if args.address:
+        ray.init(address=args.address)
+    else:
+        ray.init(num_cpus=args.cpus or os.cpu_count(), include_dashboard=False)
+    t0 = time.time()
+    failed = run_phase("search", _jobs(plans, "search", args), args)
+    if not failed:
+        failed = run_phase("seeds", _jobs(plans, "seeds", args,
+                                          winners_of(plans, args.records)), args)
+    for job in failed:
+        print(f"FAILED: {job['group']}/{run_dir_name(job['method'], job['trial'], job['seed'])}"
+              " (rerun the same command to retry it)", file=sys.stderr)
+    print(f"sweep {'incomplete' if failed else 'done'} in {time.time() - t0:.0f}s", flush=True)
+    return 1 if failed else 0

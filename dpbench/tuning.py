@@ -1,0 +1,322 @@
+"""The board's tuning protocol: one declared search space, a random number of trials, and the
+privacy cost of the search itself (Papernot & Steinke, ICLR 2022).
+
+The protocol is one JSON file (``leaderboard/protocol.json``): per group family (dataset, model)
+a search space shared by every method, each method's own knobs, and its trial 0 (the paper's
+recipe); the trial-count distribution and the seeds. Everything here is pure and Ray-free:
+``dpbench.sweep`` runs the trials on Ray Tune, ``dpbench.leaderboard`` reads what they left.
+
+Trial count. Per group, K = 1 + J trials per method: trial 0 (fixed), and J random ones, with
+J drawn ONCE per group from a truncated negative binomial (dp_accounting's RepeatAndSelect
+family: shape 0 logarithmic, 1 geometric, inf Poisson) from a seed derived from the protocol's
+seed and the group's name. Every method of the group runs the same K.
+
+Privacy of the search. Trial 0's run and the best of the J random runs are two releases; the
+winner (the better of the two on validation) is post-processing of them. So in RDP
+
+    rdp_search(a) = rdp_trial0(a) + RepeatAndSelect_J(max over the space's support of rdp_run)(a)
+
+Why the maximum over the support: a random trial is "draw a configuration from the space, then
+run it"; that mixture's Renyi divergence is at most the largest of its components' (joint
+quasi-convexity), and Papernot & Steinke's theorem needs one mechanism repeated i.i.d. The
+support is finite: space keys marked ``"privacy": true`` (batch size, epochs, any knob that
+changes the run's DpEvent) take values from a list, and the sweep computes every combination's
+event before training (``search.json``). The board checks that every trial's recorded event is
+its combination's, so a knob that changes the event without being declared is caught.
+
+What this epsilon covers: releasing the ONE selected model of a search run as declared, with K
+and the other trials' outputs kept secret (revealing K or the losers voids it). The board itself
+publishes all trials for research; it is not such a release.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import scipy.stats
+from dp_accounting import dp_event
+from dp_accounting.rdp import rdp_privacy_accountant
+
+from dpbench import accounting
+
+SPEC_KINDS = ("log_uniform", "uniform", "choice", "value")
+TRIAL_COUNT_KEYS = ("shape", "mean_random", "seed")
+
+
+class ProtocolError(ValueError):
+    """A protocol file dpbench cannot run; the message says what to change."""
+
+
+def _check_spec(where: str, key: str, spec) -> None:
+    kinds = [k for k in SPEC_KINDS if isinstance(spec, dict) and k in spec]
+    if len(kinds) != 1 or set(spec) - {kinds[0], "privacy"}:
+        raise ProtocolError(f"{where}: {key} must be one of {{'log_uniform': [lo, hi]}}, "
+                            "{'uniform': [lo, hi]}, {'choice': [...]} or {'value': x}, with an "
+                            f"optional \"privacy\": true; got {spec!r}")
+    kind = kinds[0]
+    if kind in ("log_uniform", "uniform"):
+        lo, hi = spec[kind]
+        if not (lo < hi) or (kind == "log_uniform" and lo <= 0):
+            raise ProtocolError(f"{where}: {key} range {spec[kind]} must be [lo, hi] with "
+                                f"lo < hi{' and lo > 0' if kind == 'log_uniform' else ''}")
+    if kind == "choice" and not spec["choice"]:
+        raise ProtocolError(f"{where}: {key} has no choices")
+    if spec.get("privacy") and kind not in ("choice", "value"):
+        raise ProtocolError(f"{where}: {key} changes the run's DpEvent (\"privacy\": true), so "
+                            "it must be a finite 'choice' or a 'value': the search's epsilon "
+                            "takes the maximum over every value it can take")
+
+
+def load_protocol(path) -> dict:
+    """The protocol file, validated (every error names the file and the key)."""
+    path = Path(path)
+    try:
+        protocol = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ProtocolError(f"{path}: unreadable protocol ({e})") from e
+    for key in ("delta", "epsilons", "seeds", "trials", "families"):
+        if key not in protocol:
+            raise ProtocolError(f"{path}: missing '{key}'")
+    trials = protocol["trials"]
+    missing = [k for k in TRIAL_COUNT_KEYS if k not in trials]
+    if missing or trials["mean_random"] < 1 or not (
+            trials["shape"] == "inf" or isinstance(trials["shape"], (int, float))
+            and trials["shape"] >= 0):
+        raise ProtocolError(f"{path}: 'trials' needs shape >= 0 (0 logarithmic, 1 geometric, "
+                            "\"inf\" Poisson), mean_random >= 1 and seed; missing "
+                            f"{missing or 'nothing'}, got {trials}")
+    for family, spec in protocol["families"].items():
+        where = f"{path}: family {family}"
+        for key, value in spec.get("space", {}).items():
+            _check_spec(where, key, value)
+        if not spec.get("methods"):
+            raise ProtocolError(f"{where}: no methods")
+        for method, m in spec["methods"].items():
+            if "gin_file" not in m:
+                raise ProtocolError(f"{where}: method {method} needs a 'gin_file'")
+            for key, value in m.get("space", {}).items():
+                _check_spec(f"{where} method {method}", key, value)
+    return protocol
+
+
+def shape_of(trials: dict) -> float:
+    shape = trials["shape"]
+    return math.inf if shape in ("inf", math.inf) else float(shape)
+
+
+def group_name(family: str, epsilon: float, delta: float) -> str:
+    return f"{family}__eps{float(epsilon)}__delta{delta:g}"
+
+
+def _seed(*parts) -> np.random.SeedSequence:
+    """A seed from the protocol's seed and names, stable across Python runs and machines."""
+    digest = hashlib.sha256("/".join(str(p) for p in parts).encode()).digest()
+    return np.random.SeedSequence([int.from_bytes(digest[:8], "little")])
+
+
+def draw_random_trials(trials: dict, group: str) -> int:
+    """J, the number of random trials of every method of ``group``: one draw, from a seed
+    derived from the protocol's seed and the group's name, of the law dp_accounting's
+    RepeatAndSelectDpEvent(mean_random, shape) accounts."""
+    rng = np.random.default_rng(_seed(trials["seed"], group, "trials"))
+    return sample_trial_count(rng, float(trials["mean_random"]), shape_of(trials))
+
+
+def sample_trial_count(rng: np.random.Generator, mean: float, shape: float) -> int:
+    """One draw of Papernot & Steinke's trial count: Poisson(mean) for shape = inf; else the
+    truncated negative binomial P[J = j] ~ C(j + shape - 1, j) (1 - gamma)^j on j >= 1, with
+    gamma from the mean by dp_accounting's own inversion (shape 0: logarithmic, 1: geometric)."""
+    if shape == math.inf:
+        return int(rng.poisson(mean))
+    if mean == 1:  # the law is the point mass at 1 (gamma = 1)
+        return 1
+    gamma = rdp_privacy_accountant._gamma_truncated_negative_binomial(shape, mean)
+    if shape == 0:  # logarithmic: P[J = j] proportional to (1 - gamma)^j / j
+        return int(scipy.stats.logser(1 - gamma).rvs(random_state=rng))
+    while True:  # scipy's nbinom(n, p) is C(j + n - 1, j) p^n (1 - p)^j; condition on j >= 1
+        j = int(scipy.stats.nbinom(shape, gamma).rvs(random_state=rng))
+        if j >= 1:
+            return j
+
+
+def _draw(spec: dict, rng: np.random.Generator):
+    if "value" in spec:
+        return spec["value"]
+    if "choice" in spec:
+        return spec["choice"][int(rng.integers(len(spec["choice"])))]
+    lo, hi = spec.get("log_uniform") or spec["uniform"]
+    if "log_uniform" in spec:
+        value = math.exp(rng.uniform(math.log(lo), math.log(hi)))
+    else:
+        value = rng.uniform(lo, hi)
+    return float(f"{value:.4g}")  # readable bindings; still a draw from the declared range
+
+
+def method_space(protocol: dict, family: str, method: str) -> dict:
+    """The family's shared space less the keys the method ``exclude``s (a knob its stages do
+    not have, e.g. GEP's two bounds replace the clip norm), plus the method's own knobs."""
+    spec = protocol["families"][family]
+    m = spec["methods"][method]
+    shared = {k: v for k, v in spec.get("space", {}).items() if k not in m.get("exclude", ())}
+    return {**shared, **m.get("space", {})}
+
+
+def binding(key: str, value) -> str:
+    """A gin binding; a string starting with '@' or '%' is a gin reference, written as is."""
+    if isinstance(value, str) and value[:1] in ("@", "%"):
+        return f"{key} = {value}"
+    return f"{key} = {value!r}"
+
+
+def trial_bindings(protocol: dict, family: str, group: str, method: str, num_random: int):
+    """Bindings of trials 0..J, each after the family's ``base``: trial 0 the method's own
+    recipe (``trial0``, default: its pipeline as is), the rest drawn from its space (sorted
+    keys, one generator per (group, method) from the protocol's seed)."""
+    spec = protocol["families"][family]
+    m = spec["methods"][method]
+    base = list(spec.get("base", []))
+    space = method_space(protocol, family, method)
+    rng = np.random.default_rng(_seed(protocol["trials"]["seed"], group, method, "space"))
+    out = [base + list(m.get("trial0", []))]
+    for _ in range(num_random):
+        out.append(base + [binding(key, _draw(space[key], rng)) for key in sorted(space)])
+    return out
+
+
+def privacy_support(protocol: dict, family: str, method: str) -> list:
+    """Every combination of the space's privacy-relevant values, as lists of bindings."""
+    space = method_space(protocol, family, method)
+    keys = sorted(k for k, v in space.items() if v.get("privacy"))
+    values = [space[k]["choice"] if "choice" in space[k] else [space[k]["value"]] for k in keys]
+    base = list(protocol["families"][family].get("base", []))
+    return [base + [binding(k, v) for k, v in zip(keys, combo)]
+            for combo in itertools.product(*values)]
+
+
+def privacy_key(bindings, protocol: dict, family: str, method: str) -> tuple:
+    """The privacy-relevant part of a random trial's bindings: which support point it is."""
+    space = method_space(protocol, family, method)
+    keys = {k for k, v in space.items() if v.get("privacy")}
+    return tuple(sorted(b for b in bindings if b.split(" = ")[0] in keys))
+
+
+# ------------------------------------------------------------------ the search's epsilon (RDP)
+
+def _rdp_curve(event: dp_event.DpEvent, orders) -> tuple[np.ndarray, float]:
+    """(RDP at ``orders``, probability of any truncated-batch overflow) of one run's event.
+    Truncated Poisson sampling is accounted as Poisson with the overflow charged to delta
+    (accounting._rdp_view). dp_accounting keeps the composed curve in ``_rdp`` (no public
+    getter); the version is pinned (tools/constraints.txt) and tests/test_tuning.py checks this
+    path against the public RepeatAndSelectDpEvent for a single-point support."""
+    view, overflow = accounting._rdp_view(event)
+    acc = rdp_privacy_accountant.RdpAccountant(orders)
+    acc.compose(view)
+    return np.asarray(acc._rdp, dtype=np.float64), overflow
+
+
+def search_epsilon(trial0_event: dp_event.DpEvent, support_events, *, mean_random: float,
+                   shape: float, delta: float) -> float:
+    """Epsilon at ``delta`` of releasing the winner of trial 0 plus J ~ TNB(mean_random, shape)
+    random trials, each a run whose event is one of ``support_events``."""
+    orders = np.asarray(rdp_privacy_accountant.DEFAULT_RDP_ORDERS, dtype=np.float64)
+    rdp0, overflow0 = _rdp_curve(trial0_event, orders)
+    curves = [_rdp_curve(e, orders) for e in support_events]
+    worst = np.max([c for c, _ in curves], axis=0)
+    overflow = overflow0 + mean_random * max(o for _, o in curves)
+    rdp = rdp0 + np.asarray(rdp_privacy_accountant._compute_rdp_repeat_and_select(
+        orders, worst, mean_random, shape))
+    # TV distance of the truncated search from the Poisson one: overflow (union bound over the
+    # expected number of runs); it costs (1 + e^eps) * overflow of delta, with eps the result.
+    epsilon = rdp_privacy_accountant.compute_epsilon(orders, rdp, delta)[0]
+    cap = epsilon + 1.0
+    left = delta - (1.0 + math.exp(cap)) * overflow
+    if left <= 0:
+        raise accounting.BudgetError("truncated-batch overflow uses up delta in the search's "
+                                     "accounting; raise sampler.overflow_stddevs")
+    epsilon = rdp_privacy_accountant.compute_epsilon(orders, rdp, left)[0]
+    if epsilon > cap:  # cannot happen (a smaller delta moves epsilon by far less than 1)
+        raise AssertionError("search epsilon moved by more than its cap")
+    return float(epsilon)
+
+
+def choose_trial(validation: dict) -> int:
+    """The search's winner: trial -> validation accuracy (None for a diverged run, which never
+    wins); the highest wins, ties to the smaller trial number. Test accuracy is never read."""
+    finished = {t: v for t, v in validation.items() if v is not None}
+    if not finished:
+        raise ValueError("every trial of the search diverged: there is no winner")
+    return min(finished, key=lambda t: (-finished[t], t))
+
+
+class SearchRecordError(ValueError):
+    """A search whose records do not match its search.json; the message names the path."""
+
+
+def _trial_outcome(group_dir: Path, method: str, trial: int, seed: int):
+    """(record or None for a diverged run, path) of one published trial."""
+    directory = group_dir / f"{method}-t{trial}-seed{seed}"
+    record_path = directory / "run_record.json"
+    if record_path.exists():
+        try:
+            return json.loads(record_path.read_text()), record_path
+        except json.JSONDecodeError as e:
+            raise SearchRecordError(f"{record_path}: unreadable run record ({e})") from e
+    if (directory / "diverged.json").exists():
+        return None, directory / "diverged.json"
+    raise SearchRecordError(f"{directory}: trial {trial} of {method}'s search has no published "
+                            "record; finish the sweep (rerun `dpbench sweep`) first")
+
+
+def search_summary(group_dir) -> dict:
+    """Per method of a finished search (``<group_dir>/search.json`` and its published trials):
+    K, the winner, every trial's validation accuracy, and the search's epsilon recomputed from
+    the records' own DpEvents. A random trial whose event is not its support point's is
+    refused (a privacy-relevant knob was not declared)."""
+    group_dir = Path(group_dir)
+    path = group_dir / "search.json"
+    try:
+        plan = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise SearchRecordError(f"{path}: unreadable search plan ({e})") from e
+    law, seed0 = plan["trials_law"], plan["seeds"][0]
+    out = {}
+    for method, m in sorted(plan["methods"].items()):
+        support = {privacy_key(s["bindings"], _protocol_of(plan), plan["family"], method):
+                   s["event"] for s in m["support"]}
+        validation, events = {}, {}
+        for trial in range(plan["num_trials"]):
+            record, where = _trial_outcome(group_dir, method, trial, seed0)
+            validation[trial] = None if record is None else record["validation_accuracy"]
+            if record is None:
+                continue
+            if record.get("dp_event") is None or record.get("seed") != seed0:
+                raise SearchRecordError(f"{where}: no dp_event, or seed {record.get('seed')} "
+                                        f"is not the search's seed {seed0}")
+            events[trial] = record["dp_event"]
+            key = privacy_key(m["trials"][trial], _protocol_of(plan), plan["family"], method)
+            if trial > 0 and support.get(key) != record["dp_event"]:
+                raise SearchRecordError(
+                    f"{where}: its DpEvent is not the one search.json computed for its privacy "
+                    f"settings {key}: a knob that changes the event is missing \"privacy\": true "
+                    "in the protocol's space")
+        if 0 not in events:
+            raise SearchRecordError(f"{group_dir}: {method}'s trial 0 diverged; its event is "
+                                    "unknown")
+        epsilon = search_epsilon(
+            accounting.event_from_json(events[0]),
+            [accounting.event_from_json(e) for e in support.values()],
+            mean_random=float(law["mean_random"]), shape=shape_of(law), delta=plan["delta"])
+        out[method] = dict(num_trials=plan["num_trials"], winner=choose_trial(validation),
+                           validation=validation, search_epsilon=epsilon,
+                           law=dict(shape=law["shape"], mean_random=law["mean_random"]))
+    return out
+
+
+def _protocol_of(plan: dict) -> dict:
+    """The one-family protocol a search.json snapshots (for method_space)."""
+    return {"families": {plan["family"]: plan["family_spec"]}}

@@ -1,0 +1,120 @@
+"""``dpbench sweep`` end to end on a local Ray instance: a tiny search (digits, 2 methods, K = 2)
+interrupted and restored, its published records, and the search's epsilon recomputed from them."""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import ray  # noqa: F401  (the [sweep] extra: CI installs it, so this test never skips)
+from dp_accounting import dp_event
+from dp_accounting.rdp import rdp_privacy_accountant
+
+from dpbench import accounting, config, sweep, tuning
+
+GROUP = "digits__logistic__eps3.0__delta1e-05"
+RECIPE = ["train.epochs = 2", "train.batch_size = 256"]
+PROTOCOL = {
+    "delta": 1e-05, "epsilons": [3.0], "seeds": [0, 1],
+    "trials": {"shape": 1, "mean_random": 1, "seed": 7},  # J = 1 surely: K = 2
+    "families": {"digits__logistic": {
+        "gin_files": ["gin/data/digits.gin", "gin/model/logistic.gin"],
+        "base": ["train.log_every_steps = 5"],
+        "space": {"optimize.optax.learning_rate": {"log_uniform": [0.5, 4.0]},
+                  "train.batch_size": {"choice": [256], "privacy": True},
+                  "train.epochs": {"choice": [2], "privacy": True}},
+        "methods": {"dpsgd": {"gin_file": "pipelines/dpsgd.gin", "trial0": RECIPE},
+                    "rs": {"gin_file": "pipelines/rs.gin", "trial0": RECIPE,
+                           "space": {"sparsify.random_mask.final_rate": {
+                               "uniform": [0.3, 0.9]}}}}}}}
+RUNS = [f"{m}-t{t}-seed{s}" for m in ("dpsgd", "rs") for t, s in ((0, 0), (1, 0))]
+
+
+def sweep_command(tmp):
+    return [sys.executable, "-c", "import sys; from dpbench import sweep; "
+            "sys.exit(sweep.main(sys.argv[1:]))", f"--protocol={tmp / 'protocol.json'}",
+            f"--runs_dir={tmp / 'runs'}", f"--records={tmp / 'records'}", "--cpus=2"]
+
+
+@pytest.fixture(scope="module")
+def finished_sweep(tmp_path_factory):
+    """Runs the sweep, stops it (SIGTERM, as Ctrl-C would) once its first record is published,
+    then reruns the same command to the end."""
+    tmp = tmp_path_factory.mktemp("sweep")
+    (tmp / "protocol.json").write_text(json.dumps(PROTOCOL))
+    group = tmp / "records" / GROUP
+    first = subprocess.Popen(sweep_command(tmp), cwd=config.REPO_ROOT,
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.time() + 240
+    while not list(group.glob("*/run_record.json")) and first.poll() is None:
+        assert time.time() < deadline, "the sweep published nothing in 240 s"
+        time.sleep(0.2)
+    published_before = sorted(p.parent.name for p in group.glob("*/run_record.json"))
+    first.send_signal(signal.SIGTERM)
+    out_first = first.communicate(timeout=120)[0]
+    second = subprocess.run(sweep_command(tmp), cwd=config.REPO_ROOT, capture_output=True,
+                            text=True, timeout=400)
+    assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
+    return tmp, published_before, out_first, second.stdout + second.stderr
+
+
+def test_an_interrupted_sweep_resumes_without_rerunning_a_finished_trial(finished_sweep):
+    tmp, published_before, out_first, out_second = finished_sweep
+    assert published_before, out_first[-2000:]
+    launches = (tmp / "runs" / sweep.LAUNCH_LOG).read_text().split()
+    for name in published_before:  # finished before the interruption: launched exactly once
+        assert launches.count(f"{GROUP}/{name}") == 1, launches
+    assert "restoring" in out_second  # Tune's own restore, not a fresh experiment
+    plan = json.loads((tmp / "records" / GROUP / sweep.SEARCH_FILE).read_text())
+    assert plan["num_trials"] == 2
+    group = tmp / "records" / GROUP
+    for name in RUNS:
+        assert (group / name / "run_record.json").exists(), name
+    summary = tuning.search_summary(group)
+    for method in ("dpsgd", "rs"):  # the winner, and only it, got the second seed
+        winner = summary[method]["winner"]
+        assert (group / f"{method}-t{winner}-seed1" / "run_record.json").exists()
+        assert not (group / f"{method}-t{1 - winner}-seed1").exists()
+
+
+def test_the_search_epsilon_is_recomputed_from_the_records_with_dp_accounting(finished_sweep):
+    tmp, *_ = finished_sweep
+    group = tmp / "records" / GROUP
+    summary = tuning.search_summary(group)
+    for method in ("dpsgd", "rs"):
+        trial0 = json.loads((group / f"{method}-t0-seed0" / "run_record.json").read_text())
+        trial1 = json.loads((group / f"{method}-t1-seed0" / "run_record.json").read_text())
+        # one support point (B 256, 2 epochs) = trial 0's settings: dp_accounting's public
+        # RepeatAndSelectDpEvent composed after trial 0 gives the search's epsilon
+        run = accounting.event_from_json(trial0["dp_event"])
+        assert trial1["dp_event"] == trial0["dp_event"]
+        view, overflow = accounting._rdp_view(run)
+        rdp = rdp_privacy_accountant.RdpAccountant()
+        rdp.compose(dp_event.ComposedDpEvent([view, dp_event.RepeatAndSelectDpEvent(view, 1, 1)]))
+        expected = rdp.get_epsilon(1e-5)
+        assert summary[method]["search_epsilon"] == pytest.approx(expected, rel=1e-3)
+        assert summary[method]["search_epsilon"] > trial0["epsilon"]
+
+
+def test_a_malformed_or_mismatched_record_is_rejected_with_its_path(finished_sweep, tmp_path):
+    tmp, *_ = finished_sweep
+    group = tmp_path / GROUP
+    shutil.copytree(tmp / "records" / GROUP, group)
+    bad = group / "rs-t1-seed0" / "run_record.json"
+    record = json.loads(bad.read_text())
+    record["dp_event"]["count"] += 1  # a run longer than its declared support point
+    bad.write_text(json.dumps(record))
+    with pytest.raises(tuning.SearchRecordError, match="privacy") as e:
+        tuning.search_summary(group)
+    assert str(bad) in str(e.value)
+    bad.write_text("{not json")
+    with pytest.raises(tuning.SearchRecordError, match="unreadable") as e:
+        tuning.search_summary(group)
+    assert str(bad) in str(e.value)
+    os.remove(bad)
+    with pytest.raises(tuning.SearchRecordError, match="no published record"):
+        tuning.search_summary(group)

@@ -1,0 +1,130 @@
+"""The tuning protocol: the trial-count law, the search's epsilon, the protocol file."""
+
+import math
+
+import numpy as np
+import pytest
+from dp_accounting import dp_event
+from dp_accounting.rdp import rdp_privacy_accountant
+
+from dpbench import config, tuning
+
+# DESIGN.md section 7's run: DP-SGD at eps 3 on the tanh CNN (q 0.0186, sigma 1.276, 1612 steps)
+RUN = dp_event.SelfComposedDpEvent(
+    dp_event.PoissonSampledDpEvent(0.0186, dp_event.GaussianDpEvent(1.276)), 1612)
+SHAPES = (0.0, 0.5, 1.0, math.inf)
+
+
+def public_epsilon(event, delta=1e-5):
+    accountant = rdp_privacy_accountant.RdpAccountant()
+    accountant.compose(event)
+    return accountant.get_epsilon(delta)
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("mean", [1.0, 5.0])
+def test_search_epsilon_is_dp_accountings_repeat_and_select_for_one_support_point(shape, mean):
+    ours = tuning.search_epsilon(RUN, [RUN], mean_random=mean, shape=shape, delta=1e-5)
+    theirs = public_epsilon(dp_event.ComposedDpEvent(
+        [RUN, dp_event.RepeatAndSelectDpEvent(RUN, mean, shape)]))
+    assert ours == pytest.approx(theirs, rel=1e-12)
+    assert ours > public_epsilon(RUN)  # the search costs more than its one run
+
+
+def test_known_values_of_the_search_alone():
+    """DESIGN.md section 7 (dp-accounting 0.6.0): the run inside a search of mean 8 trials."""
+    for shape, known in ((math.inf, 6.35), (1.0, 5.98), (0.0, 5.19)):
+        got = tuning.search_epsilon(dp_event.NoOpDpEvent(), [RUN], mean_random=8.0,
+                                    shape=shape, delta=1e-5)
+        assert got == pytest.approx(known, abs=0.006)
+
+
+def test_the_worst_support_point_sets_the_search_epsilon():
+    noisier = dp_event.SelfComposedDpEvent(
+        dp_event.PoissonSampledDpEvent(0.0186, dp_event.GaussianDpEvent(2.0)), 1612)
+    longer = dp_event.SelfComposedDpEvent(
+        dp_event.PoissonSampledDpEvent(0.0186, dp_event.GaussianDpEvent(1.276)), 3224)
+    kw = dict(mean_random=5.0, shape=1.0, delta=1e-5)
+    base = tuning.search_epsilon(RUN, [RUN], **kw)
+    assert tuning.search_epsilon(RUN, [RUN, noisier], **kw) == pytest.approx(base, rel=1e-12)
+    assert tuning.search_epsilon(RUN, [RUN, longer], **kw) > base + 0.5
+    assert tuning.search_epsilon(RUN, [noisier], **kw) < base
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_the_trial_count_has_the_declared_mean(shape):
+    rng = np.random.default_rng()
+    draws = np.array([tuning.sample_trial_count(rng, 5.0, shape) for _ in range(4000)])
+    assert abs(draws.mean() - 5.0) < 4 * draws.std() / np.sqrt(len(draws))
+    assert draws.min() >= (0 if shape == math.inf else 1)
+
+
+def test_the_trial_count_is_one_draw_per_group_from_the_recorded_seed():
+    law = {"shape": 1, "mean_random": 5, "seed": 3}
+    j = tuning.draw_random_trials(law, "g__m__eps3.0__delta1e-05")
+    assert j == tuning.draw_random_trials(law, "g__m__eps3.0__delta1e-05")
+    others = {tuning.draw_random_trials(dict(law, seed=s), "g__m__eps3.0__delta1e-05")
+              for s in range(30)}
+    assert len(others) > 3  # the seed matters
+    assert tuning.draw_random_trials({"shape": 1, "mean_random": 1, "seed": 0}, "x") == 1
+
+
+def protocol(**space):
+    return {"delta": 1e-5, "epsilons": [3.0], "seeds": [0, 1],
+            "trials": {"shape": 1, "mean_random": 2, "seed": 1},
+            "families": {"digits__logistic": {
+                "base": ["train.log_every_steps = 5"],
+                "space": space or {"optimize.optax.learning_rate": {"log_uniform": [0.5, 4.0]},
+                                   "train.batch_size": {"choice": [128, 256], "privacy": True},
+                                   "train.epochs": {"value": 2, "privacy": True}},
+                "methods": {"dpsgd": {"gin_file": "pipelines/dpsgd.gin",
+                                      "trial0": ["train.epochs = 2"]},
+                            "gep": {"gin_file": "pipelines/gep.gin",
+                                    "exclude": ["optimize.optax.learning_rate"],
+                                    "space": {"PRUNE": {"choice": ["@prune.random()"]}}}}}}}
+
+
+def test_trials_are_the_recipe_then_draws_from_the_space(tmp_path):
+    p = protocol()
+    trials = tuning.trial_bindings(p, "digits__logistic", "G", "dpsgd", 4)
+    assert trials[0] == ["train.log_every_steps = 5", "train.epochs = 2"]
+    assert trials == tuning.trial_bindings(p, "digits__logistic", "G", "dpsgd", 4)
+    for t in trials[1:]:
+        values = dict(b.split(" = ") for b in t)
+        assert 0.5 <= float(values["optimize.optax.learning_rate"]) <= 4.0
+        assert values["train.batch_size"] in ("128", "256") and values["train.epochs"] == "2"
+    gep = tuning.trial_bindings(p, "digits__logistic", "G", "gep", 1)[1]
+    assert "PRUNE = @prune.random()" in gep  # a gin reference is bound as one
+    assert not any(b.startswith("optimize.optax.learning_rate") for b in gep)
+    support = tuning.privacy_support(p, "digits__logistic", "dpsgd")
+    assert [s[1:] for s in support] == [["train.batch_size = 128", "train.epochs = 2"],
+                                        ["train.batch_size = 256", "train.epochs = 2"]]
+
+
+@pytest.mark.parametrize("space, message", [
+    ({"train.batch_size": {"log_uniform": [64, 512], "privacy": True}}, "finite 'choice'"),
+    ({"train.epochs": {"between": [1, 2]}}, "must be one of"),
+    ({"optimize.optax.learning_rate": {"log_uniform": [0.0, 1.0]}}, "lo > 0"),
+    ({"optimize.optax.learning_rate": {"uniform": [2.0, 1.0]}}, "lo < hi"),
+])
+def test_a_bad_space_is_refused_naming_the_key(tmp_path, space, message):
+    path = tmp_path / "protocol.json"
+    path.write_text(__import__("json").dumps(protocol(**space)))
+    with pytest.raises(tuning.ProtocolError, match=message) as e:
+        tuning.load_protocol(path)
+    assert str(path) in str(e.value) and list(space)[0] in str(e.value)
+
+
+def test_every_trial_of_the_boards_protocol_is_a_valid_configuration():
+    """Each method's trial 0 and a drawn trial parse with its pipeline and family files (gin
+    checks every name), and the drawn values of privacy keys come from the support."""
+    p = tuning.load_protocol(config.REPO_ROOT / "leaderboard" / "protocol.json")
+    assert p["trials"]["mean_random"] + 1 >= 6  # the issue's mean K
+    for family, spec in p["families"].items():
+        for method, m in spec["methods"].items():
+            files = [m["gin_file"], *spec.get("gin_files", [])]
+            support = {tuple(s) for s in tuning.privacy_support(p, family, method)}
+            for trial in tuning.trial_bindings(p, family, "G", method, 1):
+                config.parse_config(files, trial)
+            key = tuning.privacy_key(trial, p, family, method)
+            assert any(set(key) <= set(s) for s in support)

@@ -56,7 +56,19 @@ def support_event(gin_files, bindings) -> dict:
     return accounting.event_to_json(run.compiled.run_event())
 
 
-def plan_group(protocol: dict, family: str, epsilon: float, methods) -> dict:
+def support_events(tasks, workers: int) -> list:
+    """support_event of each (gin_files, bindings), on ``workers`` fresh processes (each call
+    loads the data and calibrates sigma: seconds each, hundreds per board)."""
+    if workers <= 1 or len(tasks) <= 1:
+        return [support_event(*t) for t in tasks]
+    import concurrent.futures
+    import multiprocessing
+    with concurrent.futures.ProcessPoolExecutor(
+            max_workers=workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return list(pool.map(support_event, *zip(*tasks)))
+
+
+def plan_group(protocol: dict, family: str, epsilon: float, methods, workers: int = 1) -> dict:
     """What search.json holds for one group (trial bindings and the support's events)."""
     group = tuning.group_name(family, epsilon, protocol["delta"])
     spec = protocol["families"][family]
@@ -65,17 +77,23 @@ def plan_group(protocol: dict, family: str, epsilon: float, methods) -> dict:
                 trials_law=dict(protocol["trials"]), num_random=num_random,
                 num_trials=1 + num_random, seeds=list(protocol["seeds"]),
                 family_spec=spec, methods={})
-    eps_binding = f"EPSILON = {float(epsilon)}"
+    budget_bindings = [f"EPSILON = {float(epsilon)}", f"DELTA = {protocol['delta']!r}"]
+    tasks = []
     for method in methods:
         gin_files = [spec["methods"][method]["gin_file"], *spec.get("gin_files", [])]
-        trials = tuning.trial_bindings(protocol, family, group, method, num_random)
-        support = [dict(bindings=b, event=support_event(gin_files, [*b, eps_binding]))
-                   for b in tuning.privacy_support(protocol, family, method)]
-        plan["methods"][method] = dict(gin_files=gin_files, trials=trials, support=support)
+        support = tuning.privacy_support(protocol, family, method)
+        tasks += [(method, gin_files, b) for b in support]
+        plan["methods"][method] = dict(
+            gin_files=gin_files, support=[],
+            trials=tuning.trial_bindings(protocol, family, group, method, num_random))
+    events = support_events([(g, [*b, *budget_bindings]) for _, g, b in tasks], workers)
+    for (method, _, bindings), event in zip(tasks, events):
+        plan["methods"][method]["support"].append(dict(bindings=bindings, event=event))
     return plan
 
 
-def prepare(protocol: dict, family: str, epsilon: float, methods, records: Path) -> dict:
+def prepare(protocol: dict, family: str, epsilon: float, methods, records: Path,
+            workers: int = 1) -> dict:
     """search.json of the group: written once; a rerun must find the same trials."""
     group = tuning.group_name(family, epsilon, protocol["delta"])
     path = records / group / SEARCH_FILE
@@ -91,11 +109,12 @@ def prepare(protocol: dict, family: str, epsilon: float, methods, records: Path)
                     "differ); restore the protocol, or start a new board in another --records")
         if not missing:
             return plan
-        extra = plan_group(protocol, family, epsilon, missing)
+        extra = plan_group(protocol, family, epsilon, missing, workers)
         plan["methods"].update(extra["methods"])
     else:
-        plan = plan_group(protocol, family, epsilon, methods)
-    records_lib.atomic_write_text(path, json.dumps(plan, indent=1, sort_keys=True) + "\n")
+        plan = plan_group(protocol, family, epsilon, methods, workers)
+    # insertion order kept (methods as the protocol lists them: the order trials are queued)
+    records_lib.atomic_write_text(path, json.dumps(plan, indent=1) + "\n")
     return plan
 
 
@@ -154,6 +173,7 @@ def run_job(job: dict) -> dict:
                *[f"--gin_file={f}" for f in job["gin_files"]],
                *[f"--gin_bindings={b}" for b in job["bindings"]],
                f"--gin_bindings=EPSILON = {job['epsilon']}",
+               f"--gin_bindings=DELTA = {job['delta']!r}",
                f"--gin_bindings=train.seed = {job['seed']}"]
     with open(Path(job["runs_dir"]) / LAUNCH_LOG, "a") as log:
         log.write(f"{job['group']}/{target.name}\n")
@@ -189,12 +209,13 @@ def _jobs(plans, phase: str, args, winners=None) -> list:
                 repo=str(REPO))
     jobs = []
     for plan in plans:
-        for method, m in sorted(plan["methods"].items()):
+        for method, m in plan["methods"].items():
             if phase == "search":
                 runs = [(t, plan["seeds"][0]) for t in range(plan["num_trials"])]
             else:
                 runs = [(winners[(plan["group"], method)], s) for s in plan["seeds"][1:]]
-            jobs += [dict(base, group=plan["group"], epsilon=plan["epsilon"], method=method,
+            jobs += [dict(base, group=plan["group"], epsilon=plan["epsilon"],
+                          delta=plan["delta"], method=method,
                           trial=t, seed=s, gin_files=m["gin_files"], bindings=m["trials"][t])
                      for t, s in runs]
     return jobs
@@ -244,11 +265,13 @@ def main(argv=None) -> int:
     parser.add_argument("--address", default=None, help="an existing Ray cluster's address")
     parser.add_argument("--cpus", type=int, default=None, help="CPUs of the local Ray instance")
     parser.add_argument("--cpus_per_trial", type=float, default=1.0)
+    parser.add_argument("--prepare_only", action="store_true",
+                        help="write each group's search.json (trials, support events) and stop")
     args = parser.parse_args(argv)
     try:
         protocol = tuning.load_protocol(args.protocol)
         plans = []
-        for family in args.families or sorted(protocol["families"]):
+        for family in args.families or list(protocol["families"]):
             if family not in protocol["families"]:
                 raise tuning.ProtocolError(f"family {family!r} is not in {args.protocol}; "
                                            f"it has {sorted(protocol['families'])}")
@@ -257,12 +280,15 @@ def main(argv=None) -> int:
             if unknown:
                 raise tuning.ProtocolError(f"{family} has no method(s) {sorted(unknown)}")
             for epsilon in args.epsilons or protocol["epsilons"]:
-                plans.append(prepare(protocol, family, epsilon, methods, args.records))
+                plans.append(prepare(protocol, family, epsilon, methods, args.records,
+                                     workers=1 if args.address else args.cpus or os.cpu_count()))
                 print(f"{plans[-1]['group']}: K = {plans[-1]['num_trials']} trials per method",
                       flush=True)
     except tuning.ProtocolError as e:
         print(f"dpbench: error: {e}", file=sys.stderr)
         return 2
+    if args.prepare_only:
+        return 0
     for plan in plans:  # only the selected methods run
         keep = args.methods or list(plan["methods"])
         plan["methods"] = {m: v for m, v in plan["methods"].items() if m in keep}

@@ -257,6 +257,10 @@ class SearchRecordError(ValueError):
     """A search whose records do not match its search.json; the message names the path."""
 
 
+class SearchIncomplete(SearchRecordError):
+    """A search still running: some of its runs are not published yet."""
+
+
 def _trial_outcome(group_dir: Path, method: str, trial: int, seed: int):
     """(record or None for a diverged run, path) of one published trial."""
     directory = group_dir / f"{method}-t{trial}-seed{seed}"
@@ -268,8 +272,8 @@ def _trial_outcome(group_dir: Path, method: str, trial: int, seed: int):
             raise SearchRecordError(f"{record_path}: unreadable run record ({e})") from e
     if (directory / "diverged.json").exists():
         return None, directory / "diverged.json"
-    raise SearchRecordError(f"{directory}: trial {trial} of {method}'s search has no published "
-                            "record; finish the sweep (rerun `dpbench sweep`) first")
+    raise SearchIncomplete(f"{directory}: trial {trial} of {method}'s search has no published "
+                           "record; finish the sweep (rerun `dpbench sweep`) first")
 
 
 def search_summary(group_dir) -> dict:
@@ -317,6 +321,25 @@ def search_summary(group_dir) -> dict:
     return out
 
 
+def search_progress(group_dir) -> tuple[int, int]:
+    """(runs published, runs the search and the winners' seeds will publish) of a group."""
+    group_dir = Path(group_dir)
+    plan = json.loads((group_dir / "search.json").read_text())
+    expected = len(plan["methods"]) * (plan["num_trials"] + len(plan["seeds"]) - 1)
+    done = sum(1 for d in group_dir.iterdir() if d.is_dir() and (
+        (d / "run_record.json").exists() or (d / "diverged.json").exists()))
+    return done, expected
+
+
 def _protocol_of(plan: dict) -> dict:
     """The one-family protocol a search.json snapshots (for method_space)."""
     return {"families": {plan["family"]: plan["family_spec"]}}
+
+
+def expected_best(scores, n: int) -> float:
+    """Expected best of ``n`` trials drawn with replacement from ``scores`` (Dodge et al. 2019,
+    "Show Your Work"): sum_i s_(i) [(i/K)^n - ((i-1)/K)^n] over the sorted scores."""
+    ordered = np.sort(np.asarray(scores, dtype=np.float64))
+    k = len(ordered)
+    i = np.arange(1, k + 1)
+    return float(np.sum(ordered * ((i / k) ** n - ((i - 1) / k) ** n)))

@@ -125,54 +125,6 @@ def test_a_real_run_record_is_accepted(tmp_path):
     assert row["method"] == "dpsgd" and row["gain"] == 0.0
 
 
-def _load_sweep():
-    import importlib.util
-    from tests.conftest import REPO_ROOT
-    spec = importlib.util.spec_from_file_location("sweep", REPO_ROOT / "tools" / "sweep.py")
-    sweep = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(sweep)
-    sweep.POLL_S = 0.05  # the fake runs take a fraction of a second
-    return sweep
-
-
-def test_every_sweep_configuration_parses_and_names_its_method():
-    sweep = _load_sweep()
-    for method, configs in sweep.GRID.items():
-        for gin_file, bindings in configs.values():
-            config.parse_config([gin_file], [*sweep.SWEEP_BINDINGS, *bindings])
-            name, stages = train.pipeline_stages()
-            assert name == method and stages
-    jobs = sweep.jobs([3.0, 1.0], [0, 1, 2], list(sweep.GRID))
-    grid = sum(len(c) for c in sweep.GRID.values())
-    lr_steps = [m for m in sweep.GRID if not sweep.varies_learning_rate(m)]
-    assert lr_steps == [m for m in sweep.GRID if m != "dpsgd"]  # DP-SGD's grid is its lr axis
-    assert len(jobs) == 2 * (grid + len(lr_steps) + 2 * len(sweep.GRID))
-    assert jobs[0][0] == 3.0 and jobs[-1][0] == 1.0  # epsilon by epsilon, as given
-    seed_jobs = [(m, s) for e, m, c, s in jobs if e == 3.0 and c is None]
-    assert seed_jobs[:4] == [("dpsgd", 1), ("dpsgd", 2), ("rs", 1), ("rs", 2)]  # whole rows
-    names = {sweep.run_name(m, c, s) for _, m, c, s in jobs
-             if c is not None and c != sweep.HALF_LR}
-    assert len(names) == grid  # no two configurations share a workdir
-
-
-@pytest.mark.parametrize("method,label,halved", [("nasr", "tau1e-3", 19.2),
-                                                 ("rs", "r0.9", 2.0)])
-def test_a_halved_learning_rate_config_binds_exactly_that_rate(method, label, halved, tmp_path):
-    sweep = _load_sweep()
-    command = sweep.command_for(method, label + sweep.HALF_LR, 3.0, 0, tmp_path, halved)
-    gin_file = command[1].removeprefix("--gin_file=")
-    bindings = [a.removeprefix("--gin_bindings=") for a in command if "--gin_bindings=" in a]
-    config.parse_config([gin_file], bindings)
-    import gin
-    assert gin.query_parameter("optimize.optax.learning_rate") == halved
-    assert command[:-1] == sweep.command_for(method, label, 3.0, 0, tmp_path)[:-1] + [
-        f"--gin_bindings=optimize.optax.learning_rate = {halved!r}"]
-    with pytest.raises(ValueError, match="learning rate"):
-        sweep.command_for(method, label + sweep.HALF_LR, 3.0, 0, tmp_path)  # rate missing
-    with pytest.raises(ValueError, match="learning rate"):
-        sweep.command_for(method, label, 3.0, 0, tmp_path, 2.0)  # rate without the suffix
-
-
 def _runs(val_by_seed, lr):
     return [fake_record("rs", seed, val, 0.5, lr=lr) for seed, val in val_by_seed.items()]
 
@@ -237,78 +189,6 @@ record = dict(seed=seed, validation_accuracy=val + seed / 1000, test_accuracy=0.
 """
 
 
-@pytest.mark.parametrize("halved_val,chosen", [(0.88, "b-halflr"), (0.84, "b")])
-def test_sweep_halves_the_grid_winners_learning_rate_and_seeds_the_better_on_validation(
-        halved_val, chosen, tmp_path, monkeypatch):
-    import sys
-    sweep = _load_sweep()
-    monkeypatch.setitem(sweep.GRID, "rs", {"a": sweep.GRID["rs"]["r0.7"],
-                                           "b": sweep.GRID["rs"]["r0.9"]})
-    vals = json.dumps({"a": 0.80, "b": 0.85, "b-halflr": halved_val})
-    started = []
-
-    def fake_command(method, config, eps, seed, workdir, learning_rate=None):
-        started.append((config, seed, learning_rate))
-        lr = [] if learning_rate is None else [str(learning_rate)]
-        return [sys.executable, "-c", FAKE_RUN, str(workdir), config, str(seed), *(lr or ["4.0"]),
-                vals]
-
-    monkeypatch.setattr(sweep, "command_for", fake_command)
-    args = ["--epsilons", "3", "--seeds", "0", "1", "--methods", "rs", "--workers", "2",
-            f"--runs_dir={tmp_path / 'runs'}", f"--records={tmp_path / 'records'}"]
-    assert sweep.main(args) == 0
-    assert ("b-halflr", 0, 2.0) in started and ("a-halflr", 0, 2.0) not in started
-    group = tmp_path / "records" / sweep.group_name(3.0)
-    assert sorted(p.name for p in group.iterdir()) == sorted(
-        ["rs-a-seed0", "rs-b-seed0", "rs-b-halflr-seed0", f"rs-{chosen}-seed1"])
-    halved = json.loads((group / "rs-b-halflr-seed0" / "run_record.json").read_text())
-    assert halved["stages"][0]["learning_rate"] == 2.0
-    # the board's own rule, over every record of the method, agrees with the sweep
-    by_key = {}
-    for path in group.glob("*-seed0/run_record.json"):
-        record = json.loads(path.read_text())
-        by_key.setdefault(path.parent.name, []).append(record)
-    assert leaderboard.choose_configuration(by_key)[0] == f"rs-{chosen}-seed0"
-
-
-def test_sweep_gives_the_extra_seeds_only_to_the_configuration_chosen_on_validation(
-        tmp_path, monkeypatch):
-    import sys
-    sweep = _load_sweep()
-    started = []
-
-    def fake_command(method, config, eps, seed, workdir, learning_rate=None):
-        started.append((config, seed))
-        return [sys.executable, "-c", FAKE_RUN, str(workdir), config, str(seed)]
-
-    monkeypatch.setattr(sweep, "command_for", fake_command)
-    args = ["--epsilons", "3", "--seeds", "0", "1", "2", "--methods", "dpsgd", "--workers", "2",
-            f"--runs_dir={tmp_path / 'runs'}", f"--records={tmp_path / 'records'}"]
-    assert sweep.main(args) == 0
-    group = tmp_path / "records" / sweep.group_name(3.0)
-    assert sorted(p.name for p in group.iterdir()) == [
-        "dpsgd-lr2-seed0", "dpsgd-lr2-seed1", "dpsgd-lr2-seed2", "dpsgd-lr4-seed0"]
-    assert sorted(started[:2]) == [("lr2", 0), ("lr4", 0)]  # the grid first
-    assert not list(group.rglob("*.tmp"))
-    started.clear()
-    assert sweep.main(args) == 0 and started == []  # published runs are never redone
-
-
-def test_sweep_does_not_seed_a_method_whose_grid_failed(tmp_path, monkeypatch, capsys):
-    import sys
-    sweep = _load_sweep()
-    monkeypatch.setitem(sweep.GRID, "dpsgd", {"lr4": sweep.GRID["dpsgd"]["lr4"],
-                                              "broken": sweep.GRID["dpsgd"]["lr4"]})
-    monkeypatch.setattr(sweep, "command_for", lambda method, config, eps, seed, workdir, lr=None: [
-        sys.executable, "-c", FAKE_RUN, str(workdir), config, str(seed)])
-    assert sweep.main(["--epsilons", "3", "--seeds", "0", "1", "--methods", "dpsgd",
-                       "--workers", "1", f"--runs_dir={tmp_path / 'runs'}",
-                       f"--records={tmp_path / 'records'}"]) == 1
-    group = tmp_path / "records" / sweep.group_name(3.0)
-    assert sorted(p.name for p in group.iterdir()) == ["dpsgd-lr4-seed0"]
-    assert "FAILED" in capsys.readouterr().err
-
-
 def test_each_group_shows_the_audit_made_at_its_own_epsilon(records, tmp_path):
     audits = tmp_path / "audits"
     audits.mkdir()
@@ -328,21 +208,23 @@ def test_each_group_shows_the_audit_made_at_its_own_epsilon(records, tmp_path):
         leaderboard.build(records, tmp_path / "board", audits_dir=audits)
 
 
-def test_the_committed_board_is_what_its_committed_records_give(tmp_path):
-    """leaderboard/README.md and index.html are regenerated, never edited by hand: rebuilding
-    them from the committed records, audits and PERF.json gives the same bytes. (The SVG plots
-    are only checked to exist: their bytes depend on the matplotlib version.)"""
+@pytest.mark.parametrize("board_dir", ["leaderboard", "leaderboard/archive/v1"])
+def test_the_committed_board_is_what_its_committed_records_give(tmp_path, board_dir):
+    """The board (v2) and the archived v1 board are regenerated, never edited by hand:
+    rebuilding each from its committed records, the audits and PERF.json gives the same bytes.
+    (The SVG plots are only checked to exist: their bytes depend on the matplotlib version.)"""
     from tests.conftest import REPO_ROOT
-    board = REPO_ROOT / "leaderboard"
-    copy = tmp_path / "leaderboard"
+    board = REPO_ROOT / board_dir
+    copy = tmp_path / "board"
     shutil.copytree(board / "records", copy / "records")
-    shutil.copytree(board / "audits", copy / "audits")
-    shutil.copy(board / "PERF.json", copy / "PERF.json")
+    shutil.copytree(REPO_ROOT / "leaderboard" / "audits", copy / "audits")
+    shutil.copy(REPO_ROOT / "leaderboard" / "PERF.json", copy / "PERF.json")
     leaderboard.build(copy / "records", copy, copy / "audits", copy / "PERF.json")
     for name in ("README.md", "index.html"):
         assert (copy / name).read_text() == (board / name).read_text(), (
-            f"leaderboard/{name} is stale: run .venv/bin/dpbench leaderboard")
-    for plot in (copy / "plots").iterdir():
+            f"{board_dir}/{name} is stale: run .venv/bin/dpbench leaderboard "
+            f"--records={board_dir}/records --out={board_dir}")
+    for plot in (copy / "plots").iterdir() if (copy / "plots").exists() else []:
         assert (board / "plots" / plot.name).is_file()
 
 
@@ -354,50 +236,6 @@ def test_the_note_renders_as_html_paragraphs_with_escaping(records, tmp_path):
             in page)
     assert "<p class='note'>Second &amp; last.</p>" in page
     assert "**Caveat** one" in (tmp_path / "board" / "README.md").read_text()
-
-
-def test_sweep_dry_run_prints_the_grid_and_writes_nothing(tmp_path, capsys):
-    sweep = _load_sweep()
-    assert sweep.main(["--dry_run", "--epsilons", "3", f"--runs_dir={tmp_path / 'runs'}",
-                       f"--records={tmp_path / 'records'}"]) == 0
-    lines = capsys.readouterr().out.splitlines()
-    assert len(lines) == sum(len(c) for c in sweep.GRID.values())
-    assert all("--gin_bindings=EPSILON = 3.0" in line for line in lines)
-    assert not (tmp_path / "runs").exists() and not (tmp_path / "records").exists()
-
-
-def test_sweep_refuses_two_grid_entries_that_ran_the_same_settings(tmp_path, monkeypatch):
-    sweep = _load_sweep()
-    monkeypatch.setitem(sweep.GRID, "rs", {"a": sweep.GRID["rs"]["r0.7"],
-                                           "b": sweep.GRID["rs"]["r0.7"]})
-    for config, val in (("a", 0.80), ("b", 0.85)):
-        record = fake_record("rs", 0, val, 0.5)
-        path = sweep.published(tmp_path, 3.0, "rs", config, 0)
-        path.parent.mkdir(parents=True)
-        path.write_text(json.dumps(record))
-    with pytest.raises(ValueError, match="configs a and b ran the same settings"):
-        sweep.choose(tmp_path, 3.0, "rs", ["a", "b"], 0)
-
-
-def test_sweep_publishes_a_run_that_finished_while_no_sweep_was_watching(tmp_path, monkeypatch):
-    import sys
-    sweep = _load_sweep()
-    started = []
-    monkeypatch.setattr(sweep, "command_for", lambda method, config, eps, seed, workdir, lr=None: (
-        started.append(config) or [sys.executable, "-c", FAKE_RUN, str(workdir), config,
-                                   str(seed)]))
-    finished = tmp_path / "runs" / sweep.group_name(3.0) / "dpsgd-lr4-seed0"
-    finished.mkdir(parents=True)
-    (finished / "run_record.json").write_text(json.dumps(dict(
-        seed=0, validation_accuracy=0.95, test_accuracy=0.5, batch_size=1024, epochs=30,
-        ema_decay=0.0, accountant="pld", stages=[{"name": "optimize.optax", "learning_rate": 4.0}])))
-    assert sweep.main(["--epsilons", "3", "--seeds", "0", "1", "--methods", "dpsgd",
-                       "--workers", "1", f"--runs_dir={tmp_path / 'runs'}",
-                       f"--records={tmp_path / 'records'}"]) == 0
-    assert "lr4" not in started[:1] and started.count("lr4") == 1  # only its seed 1 trained
-    group = tmp_path / "records" / sweep.group_name(3.0)
-    assert sorted(p.name for p in group.iterdir()) == [
-        "dpsgd-lr2-seed0", "dpsgd-lr4-seed0", "dpsgd-lr4-seed1"]  # 0.95 beat lr2's 0.90
 
 
 def test_a_plot_shared_by_several_epsilons_is_shown_once(records, tmp_path):

@@ -17,7 +17,7 @@ from dp_accounting.rdp import rdp_privacy_accountant
 from dpbench import accounting, config, sweep, tuning
 
 GROUP = "digits__logistic__eps3.0__delta1e-05"
-RECIPE = ["train.epochs = 2", "train.batch_size = 256"]
+RECIPE = ["train.epochs = 1", "train.batch_size = 256"]
 PROTOCOL = {
     "delta": 1e-05, "epsilons": [3.0], "seeds": [0, 1],
     "trials": {"shape": 1, "mean_random": 1, "seed": 7},  # J = 1 surely: K = 2
@@ -26,7 +26,7 @@ PROTOCOL = {
         "base": ["train.log_every_steps = 5"],
         "space": {"optimize.optax.learning_rate": {"log_uniform": [0.5, 4.0]},
                   "train.batch_size": {"choice": [256], "privacy": True},
-                  "train.epochs": {"choice": [2], "privacy": True}},
+                  "train.epochs": {"choice": [1], "privacy": True}},
         "methods": {"dpsgd": {"gin_file": "pipelines/dpsgd.gin", "trial0": RECIPE},
                     "rs": {"gin_file": "pipelines/rs.gin", "trial0": RECIPE,
                            "space": {"sparsify.random_mask.final_rate": {
@@ -88,7 +88,7 @@ def test_the_search_epsilon_is_recomputed_from_the_records_with_dp_accounting(fi
     for method in ("dpsgd", "rs"):
         trial0 = json.loads((group / f"{method}-t0-seed0" / "run_record.json").read_text())
         trial1 = json.loads((group / f"{method}-t1-seed0" / "run_record.json").read_text())
-        # one support point (B 256, 2 epochs) = trial 0's settings: dp_accounting's public
+        # one support point (B 256, 1 epoch) = trial 0's settings: dp_accounting's public
         # RepeatAndSelectDpEvent composed after trial 0 gives the search's epsilon
         run = accounting.event_from_json(trial0["dp_event"])
         assert trial1["dp_event"] == trial0["dp_event"]
@@ -118,3 +118,39 @@ def test_a_malformed_or_mismatched_record_is_rejected_with_its_path(finished_swe
     os.remove(bad)
     with pytest.raises(tuning.SearchRecordError, match="no published record"):
         tuning.search_summary(group)
+
+
+def test_an_unfinished_search_is_listed_not_ranked(finished_sweep, tmp_path):
+    from dpbench import leaderboard
+    tmp, *_ = finished_sweep
+    records = tmp_path / "records"
+    shutil.copytree(tmp / "records", records)
+    winner = tuning.search_summary(records / GROUP)["dpsgd"]["winner"]
+    shutil.rmtree(records / GROUP / f"dpsgd-t{winner}-seed1")  # a winner's seed still running
+    table = leaderboard.build(records, tmp_path / "board")
+    assert GROUP not in table
+    assert f"`{GROUP}` 5 of 6 runs" in (tmp_path / "board" / "README.md").read_text()
+    (records / GROUP / "rs-t0-seed9").mkdir()  # a stray run the plan does not know
+    (records / GROUP / "rs-t0-seed9" / "diverged.json").write_text("{}")
+    (records / GROUP / "extra").mkdir()
+    shutil.copytree(records / GROUP / "rs-t0-seed0", records / GROUP / "extra2")
+    shutil.copytree(records / GROUP / "rs-t0-seed0", records / GROUP / "extra3")
+    with pytest.raises(leaderboard.LeaderboardError, match="remove the strays"):
+        leaderboard.build(records, tmp_path / "board")
+
+
+def test_the_board_shows_the_search_and_regenerates_identical_bytes(finished_sweep, tmp_path):
+    from dpbench import leaderboard
+    tmp, *_ = finished_sweep
+    table = leaderboard.build(tmp / "records", tmp_path / "a")
+    summary = tuning.search_summary(tmp / "records" / GROUP)
+    for row in table[GROUP]:  # the protocol's delta (1e-5), not digits.gin's default (1e-4)
+        assert row["search"]["search_epsilon"] == summary[row["method"]]["search_epsilon"]
+        assert row["seeds"] == 2  # the winner's two seeds
+    text = (tmp_path / "a" / "README.md").read_text()
+    assert f"{summary['dpsgd']['search_epsilon']:.3f}" in text
+    assert "2 (1 + J, J ~ geometric, mean 1)" in text
+    assert f"plots/{GROUP}__trials.svg" in text
+    leaderboard.build(tmp / "records", tmp_path / "b")
+    for name in ("README.md", "index.html", f"plots/{GROUP}__trials.svg"):
+        assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes()

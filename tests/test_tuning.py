@@ -128,3 +128,14 @@ def test_every_trial_of_the_boards_protocol_is_a_valid_configuration():
                 config.parse_config(files, trial)
             key = tuning.privacy_key(trial, p, family, method)
             assert any(set(key) <= set(s) for s in support)
+
+
+def test_expected_best_is_the_bootstrap_expectation_of_the_maximum():
+    """Against brute force over every sample of n draws with replacement from K scores."""
+    import itertools
+    scores = np.random.default_rng().uniform(0.5, 0.9, size=4)
+    for n in (1, 2, 3):
+        brute = np.mean([max(c) for c in itertools.product(scores, repeat=n)])
+        assert tuning.expected_best(scores, n) == pytest.approx(brute, rel=1e-12)
+    assert tuning.expected_best(scores, 1) == pytest.approx(scores.mean())
+    assert tuning.expected_best(scores, 200) == pytest.approx(scores.max(), abs=1e-6)

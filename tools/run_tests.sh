@@ -4,4 +4,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash tools/install.sh "[test,sweep]"
-exec .venv/bin/python -m pytest tests "$@"
+# one pytest worker per core, at most 4 (each worker imports JAX and compiles its own programs)
+workers=$(nproc 2>/dev/null || echo 2)
+[ "$workers" -gt 4 ] && workers=4
+exec .venv/bin/python -m pytest tests -n "$workers" "$@"

@@ -154,3 +154,10 @@ def test_the_board_shows_the_search_and_regenerates_identical_bytes(finished_swe
     leaderboard.build(tmp / "records", tmp_path / "b")
     for name in ("README.md", "index.html", f"plots/{GROUP}__trials.svg"):
         assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes()
+    # the verdicts: the paper's claim next to v1's gain (none here) and v2's
+    leaderboard.build(tmp / "records", tmp_path / "c",
+                      claims_json=config.REPO_ROOT / "leaderboard" / "claims.json")
+    text = (tmp_path / "c" / "README.md").read_text()
+    assert f"## Verdicts: {GROUP}" in text
+    rs_row = next(line for line in text.splitlines() if line.startswith("| rs | Zhu"))
+    assert "n/a (not on v1)" in rs_row and f"{summary['rs']['search_epsilon']:.3f}" in rs_row

@@ -79,6 +79,10 @@ def load_records(root: Path) -> list[dict]:
             raise LeaderboardError(
                 f"{path}: (dataset, model, epsilon, delta) = {got} does not match its group "
                 f"{group_dir.name} = {expected}; move the record to its own group")
+        if record["validation_accuracy"] is None:
+            raise LeaderboardError(f"{path}: no validation accuracy (a dataset.validation_size "
+                                   "= 0 refit); the board chooses on validation, so it cannot "
+                                   "rank this run")
         if not record["epsilon"] <= record["target_epsilon"] + 1e-9:
             raise LeaderboardError(f"{path}: reported epsilon {record['epsilon']} exceeds its "
                                    f"target {record['target_epsilon']}")

@@ -97,10 +97,17 @@ def not_covered(dataset: data.Dataset, config: TrainConfig) -> list:
     """What a run touches that its epsilon does not protect, each with why (for the privacy
     statement): the splits carved from the training set, tuning, the non-private diagnostics,
     and, for a seeded benchmark run, the noise itself."""
-    items = [dict(what=f"the validation split ({len(dataset.validation)} examples carved from "
-                       "the training set)",
-                  why="it chooses the reported model (the best validation step) and, in a "
-                      "sweep, the configuration; its individuals are not protected")]
+    if len(dataset.validation):
+        items = [dict(what=f"the validation split ({len(dataset.validation)} examples carved "
+                           "from the training set)",
+                      why="it chooses the reported model (the best validation step) and, in a "
+                          "sweep, the configuration; its individuals are not protected")]
+    else:  # a refit: every training example is private and protected by this run's epsilon
+        items = [dict(what="the choice of this run's settings",
+                      why="this run has no validation split (dataset.validation_size = 0) and "
+                          "reports its last step's model; its settings were chosen on a "
+                          "validation split in earlier runs on the same data, which is "
+                          "hyperparameter tuning (below)")]
     if dataset.public is not None:
         items.append(dict(what=f"the public split ({len(dataset.public)} examples carved from "
                                "the training set)",
@@ -340,6 +347,11 @@ def _maybe_evaluate(loop: _Loop, state, progress: Progress, done: int, end_step:
     if done % eval_every and done != end_step:
         return
     params = state.ema_params if loop.config.ema_decay > 0 else state.params
+    if not len(loop.run.dataset.validation):  # a refit: the last step's model is reported
+        if done == end_step:
+            progress.best = {"validation_accuracy": None, "step": done,
+                             "params": checkpoint.to_host(params)}
+        return
     val_acc = _evaluate(loop.eval_fn, params, loop.run.dataset.validation,
                         loop.config.eval_batch_size)
     logging.info("step %d  validation accuracy %.4f", done, val_acc)
@@ -443,8 +455,9 @@ def train(workdir: str | Path, config: Optional[TrainConfig] = None,
                          stop_reason)
     records.atomic_write_text(workdir / "operative_config.gin", gin.operative_config_str())
     records.atomic_write_text(workdir / records.RECORD_NAME, records.to_json(record))
-    logging.info("done: test accuracy %.4f (best validation %.4f at step %d), epsilon %.4f",
-                 record["test_accuracy"], record["validation_accuracy"], record["best_step"],
+    logging.info("done: test accuracy %.4f (best validation %s at step %d), epsilon %.4f",
+                 record["test_accuracy"], "none (refit)" if record["validation_accuracy"] is None
+                 else f"{record['validation_accuracy']:.4f}", record["best_step"],
                  record["epsilon"])
     logging.info("privacy: %s", record["privacy_statement"]["statement"])
     return record

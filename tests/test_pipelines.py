@@ -164,3 +164,30 @@ def test_dpssgd_prune_variants_by_binding(prune, tmp_path):
             if m["schedule"] == "once before training"]
     assert once == (["prune.dp_snip"] if prune == "dp_snip" else [])
     assert record["target_epsilon"] - 1e-3 < record["epsilon"] <= record["target_epsilon"]
+
+
+def test_a_refit_without_validation_reports_its_last_step_and_says_so(tmp_path):
+    """dataset.validation_size = 0 (retraining a configuration chosen on validation on every
+    training example): the last step's model is reported, every example is private and
+    counted in N, the statement names the choice of settings as not covered, and the board
+    refuses to rank the run (it chooses on validation)."""
+    import gin
+    from dpbench import leaderboard
+    files = ["pipelines/dpsgd.gin", "gin/data/digits.gin"]
+    config.parse_config(files, ["train.epochs = 2", "dataset.validation_size = 0"])
+    record = train.train(tmp_path / "run", gin_files=files)
+    config.parse_config(files, ["train.epochs = 2"])
+    held_out = gin.query_parameter("dataset.validation_size")
+    assert record["validation_accuracy"] is None and record["validation_size"] == 0
+    assert record["best_step"] == record["steps"] and record["test_accuracy"] > 0.2
+    assert record["dataset_size"] == record["privacy_statement"]["mechanisms"][0][
+        "dataset_size"] > held_out
+    text = record["privacy_statement"]["statement"]
+    assert "dataset.validation_size = 0" in text and "hyperparameter tuning" in text
+    assert "the validation split (" not in text
+    group = tmp_path / "records" / "digits__mlp__eps3.0__delta0.0001" / "refit"
+    group.mkdir(parents=True)
+    (group / "run_record.json").write_text(json.dumps(record))
+    with pytest.raises(leaderboard.LeaderboardError, match="refit") as e:
+        leaderboard.build(tmp_path / "records", tmp_path / "board")
+    assert str(group / "run_record.json") in str(e.value)

@@ -315,7 +315,8 @@ SELECTION_RULE = ("Per method, the configuration with the best mean validation a
                   "(trial 0 composed with dp_accounting's RepeatAndSelectDpEvent over the "
                   "space's worst run), recomputed from the records. It covers a release of the "
                   "one selected model with K and the other trials kept secret: this board "
-                  "publishes them all, for research.")
+                  "publishes them all, for research; the winner's retrainings on seeds 1 and "
+                  "2 (the spread) are further runs it does not cover either.")
 
 
 def _cells(row) -> list[str]:

@@ -161,3 +161,18 @@ def test_the_board_shows_the_search_and_regenerates_identical_bytes(finished_swe
     assert f"## Verdicts: {GROUP}" in text
     rs_row = next(line for line in text.splitlines() if line.startswith("| rs | Zhu"))
     assert "n/a (not on v1)" in rs_row and f"{summary['rs']['search_epsilon']:.3f}" in rs_row
+
+
+def test_a_changed_protocol_is_refused_once_a_search_began(tmp_path):
+    """search.json fixes a group's trials: rerunning with another space must not silently mix
+    two searches (their trials, and so their epsilon, would differ)."""
+    protocol = json.loads(json.dumps(PROTOCOL))
+    protocol["families"]["digits__logistic"]["methods"].pop("rs")
+    plan = sweep.prepare(protocol, "digits__logistic", 3.0, ["dpsgd"], tmp_path)
+    assert plan["num_trials"] == 2 and len(plan["methods"]["dpsgd"]["support"]) == 1
+    assert sweep.prepare(protocol, "digits__logistic", 3.0, ["dpsgd"], tmp_path) == plan
+    protocol["families"]["digits__logistic"]["space"]["optimize.optax.learning_rate"] = {
+        "log_uniform": [0.1, 1.0]}
+    with pytest.raises(tuning.ProtocolError, match="the protocol changed") as e:
+        sweep.prepare(protocol, "digits__logistic", 3.0, ["dpsgd"], tmp_path)
+    assert str(tmp_path / GROUP / sweep.SEARCH_FILE) in str(e.value)

@@ -92,7 +92,7 @@ def load_records(root: Path) -> list[dict]:
         record["_path"] = path
         record["_group"] = group_dir.name
         out.append(record)
-    if not out and not list(root.rglob("search.json")):
+    if not out and not list(root.rglob(tuning.SEARCH_FILE)):
         raise LeaderboardError(f"no {records_lib.RECORD_NAME} below {root}")
     return out
 
@@ -102,7 +102,7 @@ def searches_in_progress(root: Path) -> dict:
     finished (some trial, or some seed of a winner, unpublished). A finished search's records
     go on the board; an unfinished one's are listed as in progress, never ranked early."""
     out = {}
-    for plan_path in sorted(Path(root).rglob("search.json")):
+    for plan_path in sorted(Path(root).rglob(tuning.SEARCH_FILE)):
         done, expected = tuning.search_progress(plan_path.parent)
         if done < expected:
             out[plan_path.parent.name] = (done, expected)
@@ -273,7 +273,7 @@ def _search_of(methods: dict) -> dict:
     the records); {} for a v1 group."""
     first = next(iter(next(iter(methods.values())).values()))[0]
     group_dir = Path(first["_path"]).parent.parent
-    if not (group_dir / "search.json").exists():
+    if not (group_dir / tuning.SEARCH_FILE).exists():
         return {}
     try:
         return tuning.search_summary(group_dir)

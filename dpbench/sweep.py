@@ -37,13 +37,9 @@ from dpbench import records as records_lib
 from dpbench import tuning
 
 REPO = Path(__file__).resolve().parents[1]
-SEARCH_FILE = "search.json"
-DIVERGED = "diverged.json"
+SEARCH_FILE, DIVERGED, run_dir_name = tuning.SEARCH_FILE, tuning.DIVERGED, tuning.run_dir_name
 LAUNCH_LOG = "launches.log"  # one line per dpbench run a trial started (tests read it)
 
-
-def run_dir_name(method: str, trial: int, seed: int) -> str:
-    return f"{method}-t{trial}-seed{seed}"
 
 
 def support_event(gin_files, bindings) -> dict:

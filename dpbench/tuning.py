@@ -45,6 +45,8 @@ from dp_accounting.rdp import rdp_privacy_accountant
 from dpbench import accounting
 
 SPEC_KINDS = ("log_uniform", "uniform", "choice", "value")
+SEARCH_FILE = "search.json"  # a group's plan, beside its published runs
+DIVERGED = "diverged.json"   # what a run that diverged publishes instead of its record
 TRIAL_COUNT_KEYS = ("shape", "mean_random", "seed")
 
 
@@ -261,17 +263,22 @@ class SearchIncomplete(SearchRecordError):
     """A search still running: some of its runs are not published yet."""
 
 
+def run_dir_name(method: str, trial: int, seed: int) -> str:
+    """The directory of one published run of a search (and of its workdir)."""
+    return f"{method}-t{trial}-seed{seed}"
+
+
 def _trial_outcome(group_dir: Path, method: str, trial: int, seed: int):
     """(record or None for a diverged run, path) of one published trial."""
-    directory = group_dir / f"{method}-t{trial}-seed{seed}"
+    directory = group_dir / run_dir_name(method, trial, seed)
     record_path = directory / "run_record.json"
     if record_path.exists():
         try:
             return json.loads(record_path.read_text()), record_path
         except json.JSONDecodeError as e:
             raise SearchRecordError(f"{record_path}: unreadable run record ({e})") from e
-    if (directory / "diverged.json").exists():
-        return None, directory / "diverged.json"
+    if (directory / DIVERGED).exists():
+        return None, directory / DIVERGED
     raise SearchIncomplete(f"{directory}: trial {trial} of {method}'s search has no published "
                            "record; finish the sweep (rerun `dpbench sweep`) first")
 
@@ -282,7 +289,7 @@ def search_summary(group_dir) -> dict:
     the records' own DpEvents. A random trial whose event is not its support point's is
     refused (a privacy-relevant knob was not declared)."""
     group_dir = Path(group_dir)
-    path = group_dir / "search.json"
+    path = group_dir / SEARCH_FILE
     try:
         plan = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as e:
@@ -324,10 +331,10 @@ def search_summary(group_dir) -> dict:
 def search_progress(group_dir) -> tuple[int, int]:
     """(runs published, runs the search and the winners' seeds will publish) of a group."""
     group_dir = Path(group_dir)
-    plan = json.loads((group_dir / "search.json").read_text())
+    plan = json.loads((group_dir / SEARCH_FILE).read_text())
     expected = len(plan["methods"]) * (plan["num_trials"] + len(plan["seeds"]) - 1)
     done = sum(1 for d in group_dir.iterdir() if d.is_dir() and (
-        (d / "run_record.json").exists() or (d / "diverged.json").exists()))
+        (d / "run_record.json").exists() or (d / DIVERGED).exists()))
     return done, expected
 
 

@@ -18,7 +18,10 @@ time over ``--steps`` steps after ``--warmup`` steps of:
 * sigma calibration for the DP-SGD run's budget with RDP and with PLD.
 
 Every configuration runs in a fresh subprocess (``--worker=spec.json``), so its peak resident
-memory (ru_maxrss, the kernel's VmHWM) is its own. Each step's batch is sampled before the loop,
+memory (ru_maxrss, the kernel's VmHWM) is its own. The ratios and targets come from a second
+measurement, the interleaved run (benchmarks/interleave.py): per batch size, every timed
+configuration in one process, their steps alternating one at a time, so both sides of a ratio
+see the same minutes of the machine. Each step's batch is sampled before the loop,
 gathered from the in-memory dataset and placed on the device (blocked until ready) before that
 step's timer starts; the timer covers the step and ``block_until_ready`` of its outputs. The
 report (markdown, plus the same numbers as JSON next to it) holds the command, machine facts,
@@ -44,6 +47,8 @@ from typing import Optional, Sequence
 
 import numpy as np
 from absl import app, flags, logging
+
+from benchmarks import interleave
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 PIPELINE_DIR = REPO_ROOT / "pipelines"
@@ -90,6 +95,10 @@ flags.DEFINE_float("calibration_epochs", 30.0, "Epochs of the calibrated DP-SGD 
 flags.DEFINE_integer("calibration_repeats", 3, "Calibrations per accountant (median reported).")
 flags.DEFINE_integer("config_timeout", 3600, "Seconds one configuration may take.")
 flags.DEFINE_integer("rounds", 3, "Round-robin rounds: every configuration once per round.")
+flags.DEFINE_integer("interleaved_steps", 60, "Timed steps per configuration in the interleaved "
+                     "run (all configurations of a batch size in one process, one step each in "
+                     "turn), which the ratios and targets come from; split into --rounds blocks "
+                     "for the spread. 0: no interleaved run (ratios from the separate runs).")
 flags.DEFINE_bool("main_job", True, "Train the README's main job once; report its wall time.")
 flags.DEFINE_string("worker", None, "Internal: run the configuration in this JSON spec file.")
 
@@ -105,26 +114,10 @@ def peak_rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
 
 
-def _summary(times: Sequence[float]) -> dict:
-    ms = np.asarray(times, np.float64) * 1e3
-    return dict(ms_median=float(np.median(ms)), ms_min=float(ms.min()), ms_max=float(ms.max()),
-                timed_steps=int(ms.size))
-
-
-def _timed_loop(num_steps: int, warmup: int, prepare, run_step) -> dict:
-    """prepare(t) builds step t's inputs (untimed); run_step(inputs) runs and blocks (timed)."""
-    times, first = [], None
-    for t in range(warmup + num_steps):
-        inputs = prepare(t)
-        start = time.perf_counter()
-        run_step(inputs)
-        elapsed = time.perf_counter() - start
-        del inputs
-        if t == 0:
-            first = elapsed
-        if t >= warmup:
-            times.append(elapsed)
-    return dict(_summary(times), first_step_s=first)
+# One timing loop for every worker: alone, its steps back to back; inside an interleaved run,
+# one step per turn (benchmarks/interleave.py).
+_summary = interleave.summary
+_timed_loop = interleave.timed_loop
 
 
 def _parse(spec: dict, with_sigma: bool):
@@ -440,10 +433,29 @@ def worker_main_job(spec: dict) -> dict:
                                    "calibration_s")}
 
 
+
+def worker_interleaved(spec: dict) -> dict:
+    """Every timed configuration of one batch size in this one process, their steps interleaved
+    (benchmarks/interleave.py): the ratios' measurement. Each member is its own worker, built
+    as when it runs alone."""
+    members = [(m["label"], (lambda m=m: WORKERS[m["kind"]](m))) for m in spec["members"]]
+    out = interleave.run_interleaved(members, spec["steps"], spec["blocks"], spec["pause_s"])
+    for member, m in zip(out, spec["members"]):
+        member["spec"] = {k: v for k, v in m.items() if k in SPEC_KEYS}
+        member["result"] = {k: v for k, v in (member["result"] or {}).items()
+                            if k in ("final_train_loss", "realized_mean", "padded_batch_size")}
+    return dict(members=out, steps=spec["steps"], blocks=spec["blocks"],
+                pause_s=spec["pause_s"])
+
+
 WORKERS = {"dp": worker_dp, "jax_nonprivate": worker_jax_nonprivate,
            "torch_nonprivate": worker_torch_nonprivate, "opacus": worker_opacus,
-           "calibration": worker_calibration, "main_job": worker_main_job}
-ONCE = ("calibration", "main_job")  # kinds run in the first round only (seconds, not ms/step)
+           "calibration": worker_calibration, "main_job": worker_main_job,
+           "interleaved": worker_interleaved}
+# kinds run in the first round only (seconds, not ms/step; the interleaved run has its own)
+ONCE = ("calibration", "main_job", "interleaved")
+TIMED = ("jax_nonprivate", "torch_nonprivate", "opacus", "dp")  # kinds with a step time
+SPEC_KEYS = ("label", "group", "kind", "batch_size", "pipeline", "setting", "mode")
 
 
 def run_worker(spec_path: str) -> None:
@@ -486,6 +498,8 @@ class Options:
     main_job: bool = True  # train the README's main job once and report its wall time
     config_timeout: int = 3600
     rounds: int = 3  # every configuration runs once per round, round-robin
+    interleaved_steps: int = 60  # per configuration in the interleaved run (0: none)
+    pause_s: float = 0.02  # between two interleaved turns (untimed)
     command: str = ""
 
 
@@ -607,6 +621,14 @@ def plan(options: Options, torch_info: dict) -> list:
                                     setting=suffix.strip(" ()") or None, batch_size=b,
                                     noise_multiplier=sigma, gin_files=_gin_files(options, name),
                                     bindings=_bindings(options, b, extra)))
+    if options.interleaved_steps > 0:
+        for b in options.batch_sizes:
+            members = [dict(c, steps=options.interleaved_steps) for c in configs
+                       if c["kind"] in TIMED and c["batch_size"] == b]
+            configs.append(dict(kind="interleaved", group="interleaved", batch_size=b,
+                                label=f"interleaved run, B={b}", members=members,
+                                steps=options.interleaved_steps, blocks=max(1, options.rounds),
+                                pause_s=options.pause_s))
     if options.logical_batch > 0 and "dpsgd" in names:
         b = options.logical_batch
         configs.append(dict(common, kind="dp", group="logical", pipeline="dpsgd",
@@ -808,6 +830,54 @@ def _notes(row) -> str:
     return "; ".join(notes)
 
 
+def _ratio_tables(ratios: dict) -> list:
+    lines = ["| B | DP-SGD / Opacus best (mode) | DP-SGD / torch non-private | "
+             "DP-SGD / JAX non-private |", "|---|---|---|---|"]
+    for b, e in ratios["per_batch"].items():
+        lines.append(f"| {b} | {_fmt(e['dpsgd_over_opacus_best'], 2)}"
+                     f"{' (' + e['opacus_best_mode'] + ')' if e['opacus_best_mode'] else ''} | "
+                     f"{_fmt(e['dpsgd_over_torch_nonprivate'], 2)} | "
+                     f"{_fmt(e['dpsgd_over_jax_nonprivate'], 2)} |")
+    lines += ["", "| B | method | method / DP-SGD |", "|---|---|---|"]
+    for b, e in ratios["per_batch"].items():
+        for label, mm in e["methods"].items():
+            lines.append(f"| {b} | {label} | {_fmt(mm['ratio'], 2)} |")
+    return lines
+
+
+def _interleaved_section(report: dict) -> list:
+    runs = [r for r in report.get("rows", []) if r["spec"]["kind"] == "interleaved"]
+    if not runs:
+        return []
+    first = runs[0]["result"]
+    lines = ["", "## Interleaved run (where the ratios come from)", "",
+             "Per batch size, every configuration above runs in ONE process, built and warmed "
+             "up as when it runs alone, and their timed steps alternate: step t gives each "
+             "configuration one step in turn, starting from a different one each time, with "
+             f"{first.get('pause_s', 0) * 1e3:.0f} ms of untimed pause between two turns (spinning "
+             "thread pools go idle). A noisy minute of the machine so lands on every "
+             "configuration alike. A configuration that compiles during a timed step is "
+             "flagged and gets no ratio.", "",
+             "| configuration | B | ms/step (median) | block medians | min–max ms | "
+             "compilations in timed steps | notes |", "|---|---|---|---|---|---|---|"]
+    for run in runs:
+        r = run["result"]
+        if not r.get("ok"):
+            lines.append(f"| {run['spec']['label']} | {run['spec']['batch_size']} | failed | — "
+                         f"| — | — | {r.get('error', '?')[:300]} |")
+            continue
+        for m in r["members"]:
+            times = m["times_ms"]
+            lines.append("| " + " | ".join([
+                m["label"], str(m["spec"]["batch_size"]),
+                _fmt(m["ms_median"]) if m["ok"] else "failed",
+                ", ".join(_fmt(v) for v in m["block_medians"]) or "—",
+                f"{min(times):,.1f}–{max(times):,.1f}" if times else "—",
+                str(m["recompiles"]),
+                (m["error"] or "").replace("|", "/")[:300]]) + " |")
+    return lines
+
+
 def render(report: dict) -> str:
     o = report["options"]
     m = report["machine"]
@@ -892,28 +962,28 @@ def render(report: dict) -> str:
                      f"{job['test_accuracy']:.4f} (validation {job['validation_accuracy']:.4f}).")
     else:
         lines.append("FAILED: " + job.get("error", "?") if job else "not run")
+    lines += _interleaved_section(report)
     ratios = report.get("ratios") or {"per_batch": {}, "memory": None}
-    lines += ["", "## Ratios (median step times of this run)", "",
-              "| B | DP-SGD / Opacus best (mode) | DP-SGD / torch non-private | "
-              "DP-SGD / JAX non-private |", "|---|---|---|---|"]
-    for b, e in ratios["per_batch"].items():
-        lines.append(f"| {b} | {_fmt(e['dpsgd_over_opacus_best'], 2)}"
-                     f"{' (' + e['opacus_best_mode'] + ')' if e['opacus_best_mode'] else ''} | "
-                     f"{_fmt(e['dpsgd_over_torch_nonprivate'], 2)} | "
-                     f"{_fmt(e['dpsgd_over_jax_nonprivate'], 2)} |")
-    lines += ["", "| B | method | method / DP-SGD |", "|---|---|---|"]
-    for b, e in ratios["per_batch"].items():
-        for label, mm in e["methods"].items():
-            lines.append(f"| {b} | {label} | {_fmt(mm['ratio'], 2)} |")
+    interleaved = ratios.get("source") == "interleaved"
+    lines += ["", "## Ratios (" + ("median step times of the interleaved run" if interleaved
+                                  else "median step times of this run") + ")", ""]
+    lines += _ratio_tables(ratios)
+    if interleaved and report.get("ratios_separate"):
+        lines += ["", "The same ratios from the separate runs' medians (one configuration per "
+                      "process, different minutes of the machine), for comparison:", ""]
+        lines += _ratio_tables(report["ratios_separate"])
     mem = ratios.get("memory")
     if mem:
         lines += ["", f"Peak RSS, logical batch {mem['logical_batch']}: "
                       f"{mem['logical_peak_mib']:,.0f} MiB vs {mem['base_peak_mib']:,.0f} MiB at "
-                      f"B={mem['base_batch']}: ratio {mem['ratio']:.2f}."]
-    lines += ["", "## Targets", "",
-              f"Measured on the medians over {o.get('rounds', 1)} round-robin rounds; the spread is "
-              "the same ratio's min-max within single rounds.", "",
-              "| target | measured | spread over rounds | holds |", "|---|---|---|---|"]
+                      f"B={mem['base_batch']}: ratio {mem['ratio']:.2f} (separate processes)."]
+    how = (f"Ratios from the interleaved run (its medians over {o.get('interleaved_steps')} "
+           f"steps per configuration); the spread is the same ratio's min-max within each of "
+           f"its {o.get('rounds', 1)} blocks of consecutive steps." if interleaved else
+           f"Measured on the medians over {o.get('rounds', 1)} round-robin rounds; the spread "
+           "is the same ratio's min-max within single rounds.")
+    lines += ["", "## Targets", "", how, "",
+              "| target | measured | spread | holds |", "|---|---|---|---|"]
     for t in report.get("targets", []):
         unit = t["unit"] if t["unit"] == "x" else " s"
         measured = "not measured" if t["measured"] is None else f"{t['measured']:.2f}{unit}"
@@ -937,6 +1007,10 @@ def _summary_line(spec: dict, result: dict) -> str:
     if spec["kind"] == "main_job" and result.get("ok"):
         return "ok: %d steps in %.0f s of wall time, test accuracy %.4f" % (
             result["steps"], result["wall_time_s"], result["test_accuracy"])
+    if spec["kind"] == "interleaved" and result.get("ok"):
+        return "ok: " + ", ".join(
+            f"{m['label']} {_fmt(m['ms_median'])} ms" if m["ok"] else f"{m['label']} failed "
+            f"({m['error']})" for m in result["members"])
     if spec["kind"] in ONCE:
         return json.dumps(result.get("calibration") or result.get("error"))
     if not result.get("ok"):
@@ -959,9 +1033,28 @@ def aggregate_rounds(results: list) -> dict:
                 rounds_run=len(results))
 
 
+def interleaved_rows(rows: list, block: Optional[int] = None) -> list:
+    """The interleaved runs' members as rows ({spec, result}) that compute_ratios reads: the
+    median step time over all their timed steps, or over one block of them. A member that
+    failed or compiled during a timed step has no time."""
+    out = []
+    for row in rows:
+        if row["spec"]["kind"] != "interleaved" or not row["result"].get("ok"):
+            continue
+        for m in row["result"]["members"]:
+            good = m["ok"] and m["recompiles"] == 0
+            ms = m["ms_median"] if block is None else (m["block_medians"][block] if good
+                                                       else None)
+            out.append(dict(spec=m["spec"], result=dict(ok=good and ms is not None,
+                                                        ms_median=ms)))
+    return out
+
+
 def _update_report(report: dict, configs: list, per_round: dict, options: Options) -> None:
-    """Rows aggregated over the rounds run so far; ratios from the aggregated medians; each
-    target's spread = min-max of the same ratio computed within each complete round."""
+    """Rows aggregated over the rounds run so far; ratios from the interleaved run when there
+    is one (else from the separate runs' aggregated medians); each target's spread = min-max of
+    the same ratio within each block of the interleaved run (else within each complete round).
+    Peak memory always comes from the separate runs (one configuration per process)."""
     report["rows"] = [dict(spec=spec, result=aggregate_rounds(per_round[i]))
                       for i, spec in enumerate(configs) if per_round[i]]
     def once(kind):
@@ -970,17 +1063,27 @@ def _update_report(report: dict, configs: list, per_round: dict, options: Option
     calibration, main_job = once("calibration"), once("main_job")
     report["calibration"], report["main_job"] = calibration, main_job
     timed = [r for r in report["rows"] if r["spec"]["kind"] not in ONCE]
-    report["ratios"] = compute_ratios(timed, options.batch_sizes)
+    separate = compute_ratios(timed, options.batch_sizes)
+    report["ratios_separate"] = separate
+    inter = interleaved_rows(report["rows"])
+    if inter:
+        report["ratios"] = dict(compute_ratios(inter, options.batch_sizes),
+                                memory=separate["memory"], source="interleaved")
+        blocks = [dict(compute_ratios(interleaved_rows(report["rows"], k), options.batch_sizes),
+                       memory=separate["memory"]) for k in range(max(1, options.rounds))]
+    else:
+        report["ratios"] = dict(separate, source="separate")
+        rounds = min((len(per_round[i]) for i, s in enumerate(configs)
+                      if s["kind"] not in ONCE), default=0)
+        blocks = [compute_ratios([dict(spec=s, result=per_round[i][k])
+                                  for i, s in enumerate(configs) if s["kind"] not in ONCE],
+                                 options.batch_sizes) for k in range(rounds)]
     report["targets"] = targets(report["ratios"], calibration, main_job)
-    rounds = min((len(per_round[i]) for i, s in enumerate(configs)
-                  if s["kind"] not in ONCE), default=0)
-    by_round = [targets(compute_ratios(
-        [dict(spec=s, result=per_round[i][k]) for i, s in enumerate(configs)
-         if s["kind"] not in ONCE], options.batch_sizes), calibration, main_job)
-        for k in range(rounds)]
+    by_block = [targets(r, calibration, main_job) for r in blocks]
     for t in report["targets"]:
-        values = [rt["measured"] for bt in by_round for rt in bt
-                  if rt["target"] == t["target"] and rt["measured"] is not None]
+        values = [bt["measured"] for block in by_block for bt in block
+                  if bt["target"] == t["target"] and bt["measured"] is not None
+                  and bt["unit"] == "x"]
         t["spread"] = [min(values), max(values)] if values else None
 
 
@@ -1060,6 +1163,7 @@ def options_from_flags(argv) -> Options:
         calibration_epochs=FLAGS.calibration_epochs,
         calibration_repeats=FLAGS.calibration_repeats, config_timeout=FLAGS.config_timeout,
         rounds=FLAGS.rounds, main_job=FLAGS.main_job,
+        interleaved_steps=FLAGS.interleaved_steps,
         command=command)
 
 

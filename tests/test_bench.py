@@ -34,12 +34,13 @@ def test_harness_runs_tiny_configurations_and_writes_the_report(tmp_path):
     options = bench.Options(
         steps=3, warmup=1, batch_sizes=(64,), pipelines="dpsgd", out=str(out), skip_torch=True,
         micro_batch_sizes=((None, 64),), data_gin="gin/data/digits.gin", model_gin="gin/model/logistic.gin",
-        logical_batch=0, calibration=False, main_job=False, command="pytest tests/test_bench.py", rounds=2)
+        logical_batch=0, calibration=False, main_job=False, command="pytest tests/test_bench.py", rounds=2,
+        interleaved_steps=4)
     report = bench.run_benchmark(options)
 
     text = out.read_text()
-    for section in ("## Command", "## Machine", "## Versions", "## Step times", "## Ratios",
-                    "## Targets"):
+    for section in ("## Command", "## Machine", "## Versions", "## Step times",
+                    "## Interleaved run", "## Ratios", "## Targets"):
         assert section in text
     assert "pytest tests/test_bench.py" in text
     assert re.search(r"- cores: \d+", text) and "jax " in text and "python " in text
@@ -58,8 +59,22 @@ def test_harness_runs_tiny_configurations_and_writes_the_report(tmp_path):
 
     # The JSON next to the report holds the same rows with their raw numbers.
     data = json.loads(out.with_suffix(".json").read_text())
-    assert [r["spec"]["label"] for r in data["rows"]] == ["JAX non-private", "dpbench dpsgd"]
-    for row in data["rows"]:
+    assert [r["spec"]["label"] for r in data["rows"]] == ["JAX non-private", "dpbench dpsgd",
+                                                          "interleaved run, B=64"]
+    # the interleaved run: both configurations in one process, 4 steps each, 2 blocks; the
+    # ratios and targets come from it
+    inter = data["rows"][-1]["result"]
+    assert inter["ok"] and [m["label"] for m in inter["members"]] == [
+        "JAX non-private", "dpbench dpsgd"]
+    for m in inter["members"]:
+        assert m["ok"] and len(m["times_ms"]) == 4 and len(m["block_medians"]) == 2, m
+        assert m["recompiles"] == 0 and math.isfinite(m["result"]["final_train_loss"])
+    assert report["ratios"]["source"] == "interleaved"
+    assert math.isclose(report["ratios"]["per_batch"]["64"]["dpsgd_over_jax_nonprivate"],
+                        inter["members"][1]["ms_median"] / inter["members"][0]["ms_median"])
+    inter_table = _table(text, "| configuration | B | ms/step (median) |")
+    assert [r[0] for r in inter_table[2:]] == ["JAX non-private", "dpbench dpsgd"]
+    for row in data["rows"][:2]:
         result = row["result"]
         assert result["ok"], result
         assert result["timed_steps"] == 3

@@ -626,7 +626,7 @@ def plan(options: Options, torch_info: dict) -> list:
             members = [dict(c, steps=options.interleaved_steps) for c in configs
                        if c["kind"] in TIMED and c["batch_size"] == b]
             configs.append(dict(kind="interleaved", group="interleaved", batch_size=b,
-                                label=f"interleaved run, B={b}", members=members,
+                                label="interleaved run", members=members,
                                 steps=options.interleaved_steps, blocks=max(1, options.rounds),
                                 pause_s=options.pause_s))
     if options.logical_batch > 0 and "dpsgd" in names:

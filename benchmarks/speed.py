@@ -853,7 +853,9 @@ def _interleaved_section(report: dict) -> list:
     lines = ["", "## Interleaved run (where the ratios come from)", "",
              "Per batch size, every configuration above runs in ONE process, built and warmed "
              "up as when it runs alone, and their timed steps alternate: step t gives each "
-             "configuration one step in turn, starting from a different one each time, with "
+             "configuration one turn, starting from a different one each time; a turn is an "
+             "untimed step then the timed one on the same batch (so the timed step starts from "
+             "its own caches and thread pools, not the previous configuration's), with "
              f"{first.get('pause_s', 0) * 1e3:.0f} ms of untimed pause between two turns (spinning "
              "thread pools go idle). A noisy minute of the machine so lands on every "
              "configuration alike. A configuration that compiles during a timed step is "

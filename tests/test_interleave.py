@@ -52,8 +52,11 @@ def test_members_are_built_in_order_then_take_one_step_each_in_turn():
         assert len(warm) == warmup and builds[k] < min(warm)
         if k + 1 < 3:
             assert max(warm) < builds[k + 1]
-    # timed steps: step t visits every member once, starting from member t mod 3
-    timed = [e[1] for e in rec.log if e[0] == "step" and e[2] >= warmup]
+    # after the warm-up, a turn is two steps on the same inputs (untimed, then timed); step t
+    # visits every member once, starting from member t mod 3
+    turns = [e[1:] for e in rec.log if e[0] == "step" and e[2] >= warmup]
+    assert turns[0::2] == turns[1::2]
+    timed = [name for name, _ in turns[1::2]]
     rounds = [timed[3 * t:3 * t + 3] for t in range(steps)]
     for t, order in enumerate(rounds):
         assert sorted(order) == ["a", "b", "c"]

@@ -73,6 +73,18 @@ def test_step_ratio_comes_from_the_speed_benchmark_at_the_runs_batch_size(record
     rows = {r["method"]: r for r in table[GROUP]}
     assert rows["rs"]["step_ratio"] == pytest.approx(1.5) and rows["rs"]["step_source"] == "bench"
     assert "| 1.50x |" in (tmp_path / "board" / "README.md").read_text()
+    # with an interleaved run in the JSON, its medians (the benchmark's ratios) win over the
+    # separate runs'; a member that compiled during a timed step is not used
+    members = [dict(perf_row("dpsgd", 1024, 80.0), ok=True, recompiles=0, ms_median=80.0),
+               dict(perf_row("rs", 1024, 96.0), ok=True, recompiles=0, ms_median=96.0),
+               dict(perf_row("dpsgd", 256, 5.0), ok=True, recompiles=1, ms_median=5.0)]
+    rows_json = json.loads(perf.read_text())["rows"]
+    perf.write_text(json.dumps({"rows": rows_json + [{
+        "spec": {"kind": "interleaved", "group": "interleaved", "batch_size": 1024},
+        "result": {"ok": True, "members": members}}]}))
+    assert leaderboard.load_perf(perf) == {("dpsgd", 1024): 80.0, ("rs", 1024): 96.0}
+    table = leaderboard.build(records, tmp_path / "board", perf_json=perf)
+    assert {r["method"]: r for r in table[GROUP]}["rs"]["step_ratio"] == pytest.approx(1.2)
     # without the benchmark: the runs' own step times, marked
     table = leaderboard.build(records, tmp_path / "board")
     assert {r["method"]: r for r in table[GROUP]}["rs"]["step_source"] == "runs"

@@ -107,3 +107,29 @@ def test_group_norm_is_per_example_and_unknown_names_fail():
     np.testing.assert_allclose(full, single, atol=1e-5)  # no cross-example mixing
     with pytest.raises(ValueError, match="unknown model 'vgg'"):
         models.make_model(10, name="vgg")
+
+
+@pytest.mark.parametrize("shape,kernel,strides,padding", [
+    ((3, 13, 13, 16), (4, 4), (2, 2), "VALID"),   # the tanh CNN's second layer
+    ((2, 28, 28, 1), (8, 8), (2, 2), "SAME"),     # its first
+    ((2, 12, 11, 2), (4, 3), (2, 2), "SAME"),     # kernel not a multiple of the stride
+    ((2, 12, 11, 2), (5, 3), (3, 2), "VALID"),
+    ((2, 9, 9, 3), (3, 3), (1, 1), "SAME")])
+def test_image_patches_gradient_is_the_transpose_of_the_slices(shape, kernel, strides, padding):
+    """image_patches is differentiated through its block form: the same linear map, so the
+    same values forward and the same input gradient as autodiff of the plain slices."""
+    rng = np.random.default_rng()
+    x = jnp.asarray(rng.normal(size=shape).astype(np.float32))
+    slices = models._patches_by_slices(x, kernel, strides, padding)
+    np.testing.assert_array_equal(
+        jax.jit(models._patches_by_blocks, static_argnums=(1, 2, 3))(x, kernel, strides,
+                                                                       padding), slices)
+    np.testing.assert_array_equal(jax.jit(models.image_patches, static_argnums=(1, 2, 3))(
+        x, kernel, strides, padding), slices)
+    cotangent = jnp.asarray(rng.normal(size=slices.shape).astype(np.float32))
+    got = jax.jit(jax.grad(lambda x: jnp.vdot(
+        models.image_patches(x, kernel, strides, padding), cotangent)))(x)
+    want = jax.grad(lambda x: jnp.vdot(
+        models._patches_by_slices(x, kernel, strides, padding), cotangent))(x)
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+    assert got.shape == x.shape and float(jnp.max(jnp.abs(got))) > 0

@@ -136,7 +136,7 @@ def masks_only(stages, clip_index: int) -> bool:
 
 def _layer_terms(a, delta, kernel_mask, bias_mask, tap: Tap):
     """One layer, per example: (squared norm of its masked gradient, its materialized masked
-    kernel gradient B x d x p or None when the norm came from ghost products, its masked bias
+    kernel gradient B x p x d or None when the norm came from ghost products, its masked bias
     gradient B x p)."""
     bias = jnp.sum(delta, axis=1)
     if bias_mask is not None:
@@ -151,9 +151,11 @@ def _layer_terms(a, delta, kernel_mask, bias_mask, tap: Tap):
         gram_a = jnp.einsum("btd,bsd->bts", a, a)
         gram_d = jnp.einsum("btp,bsp->bts", delta, delta)
         return jnp.sum(gram_a * gram_d, axis=(1, 2)) + bias_sq, None, bias
-    kernel = jnp.einsum("btd,btp->bdp", a, delta)         # materialized, reused for the sum
+    # Materialized (reused for the weighted sum) outputs-first, B x p x d: XLA's CPU batched
+    # dot writes that layout about twice as fast as B x d x p (tanh CNN's convolutions).
+    kernel = jnp.einsum("btd,btp->bpd", a, delta)
     if kernel_mask is not None:
-        kernel = kernel * kernel_mask
+        kernel = kernel * kernel_mask.T
     return jnp.sum(jnp.square(kernel), axis=(1, 2)) + bias_sq, kernel, bias
 
 
@@ -169,7 +171,7 @@ def _weighted_sums(terms: dict, scale, zero_bad: bool) -> dict:
                               for x in (a, delta, bias))
             kernel = None if kernel is None else jnp.where(good[:, None, None], kernel, 0.0)
         if kernel is not None:
-            k = jnp.einsum("b,bdp->dp", scale, kernel)
+            k = jnp.einsum("b,bpd->pd", scale, kernel).T
         else:
             k = jnp.einsum("btd,btp->dp", a * scale[:, None, None], delta)
             k = k if kmask is None else k * kmask
@@ -246,6 +248,8 @@ def _transformed_sum(taps, params, inputs, deltas, losses, mask, l2_bound: float
         a = inputs[t.path].reshape(b, t.positions, t.inputs)
         delta = deltas[t.path].reshape(b, t.positions, t.outputs)
         kernel_shape = _get(params["params"], t.path + ("kernel",)).shape
+        # Kernel-shaped per example (the transform's input): here B x d x p is the faster
+        # layout (B x p x d and a transpose: 1.29x slower for Nasr, B=1024).
         _set(grads, t.path, {"kernel": jnp.einsum("btd,btp->bdp", a, delta).reshape(
             (b,) + kernel_shape), "bias": jnp.sum(delta, axis=1)})
     values = transform({"params": grads})

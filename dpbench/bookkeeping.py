@@ -204,7 +204,7 @@ def _clip_scale(squares, losses, mask, l2_bound: float):
 
 
 def clipped_sum(model: nn.Module, taps: tuple, params, images, labels, mask, l2_bound: float,
-                masks: Optional[dict] = None, transform=None):
+                masks: Optional[dict] = None, transform=None, elementwise: bool = False):
     """For one micro-batch: (sum_i c_i h(g_i) as a params-shaped tree, {"loss", "nonfinite"}),
     with g_i the gradient of example i's loss, h the per-example stages between the gradient and
     the clip, c_i = min(1, C / ||h(g_i)||) for a finite value of a real example (mask_i), else 0.
@@ -212,10 +212,12 @@ def clipped_sum(model: nn.Module, taps: tuple, params, images, labels, mask, l2_
     ``masks`` (params-shaped): h is a public mask multiply (the product of the Mask.PER_EXAMPLE
     stages' masks); dense layers then need no per-example gradient at all. ``transform``: any
     other h, applied to the per-example gradient tree materialized from the layer terms
-    (batched over examples, e.g. Nasr's discretization vmapped)."""
+    (batched over examples, e.g. Nasr's discretization vmapped); ``elementwise``: h is one
+    scalar function on every coordinate, so it may see the kernels outputs-first (faster)."""
     inputs, deltas, losses = _output_gradients(model, taps, params, images, labels, mask)
     if transform is not None:
-        return _transformed_sum(taps, params, inputs, deltas, losses, mask, l2_bound, transform)
+        return _transformed_sum(taps, params, inputs, deltas, losses, mask, l2_bound, transform,
+                                elementwise)
     b = images.shape[0]
     terms, squares = {}, 0.0
     for t in taps:
@@ -239,19 +241,21 @@ def clipped_sum(model: nn.Module, taps: tuple, params, images, labels, mask, l2_
     return {"params": grads}, diagnostics
 
 
-def _transformed_sum(taps, params, inputs, deltas, losses, mask, l2_bound: float, transform):
+def _transformed_sum(taps, params, inputs, deltas, losses, mask, l2_bound: float, transform,
+                     elementwise: bool):
     """The per-example gradients materialized from the layer terms, ``transform``ed, clipped
-    by a norm and summed by one weighted contraction per leaf."""
+    by a norm and summed by one weighted contraction per leaf. An ``elementwise`` transform
+    gets each kernel outputs-first (B x p x d, the fast layout; a transpose to kernel shape
+    costs what it saves), and the sum is transposed back once."""
     b = mask.shape[0]
     grads = {}
     for t in taps:
         a = inputs[t.path].reshape(b, t.positions, t.inputs)
         delta = deltas[t.path].reshape(b, t.positions, t.outputs)
         kernel_shape = _get(params["params"], t.path + ("kernel",)).shape
-        # Kernel-shaped per example (the transform's input): here B x d x p is the faster
-        # layout (B x p x d and a transpose: 1.29x slower for Nasr, B=1024).
-        _set(grads, t.path, {"kernel": jnp.einsum("btd,btp->bdp", a, delta).reshape(
-            (b,) + kernel_shape), "bias": jnp.sum(delta, axis=1)})
+        kernel = (jnp.einsum("btd,btp->bpd", a, delta) if elementwise else
+                  jnp.einsum("btd,btp->bdp", a, delta).reshape((b,) + kernel_shape))
+        _set(grads, t.path, {"kernel": kernel, "bias": jnp.sum(delta, axis=1)})
     values = transform({"params": grads})
     squares = sum(jnp.sum(jnp.square(v).reshape(b, -1), axis=1) for v in jax.tree.leaves(values))
     scale, finite, diagnostics = _clip_scale(squares, losses, mask, l2_bound)
@@ -263,8 +267,13 @@ def _transformed_sum(taps, params, inputs, deltas, losses, mask, l2_bound: float
             return jnp.tensordot(scale, v, axes=1)
         return jax.tree.map(one, values)
 
-    return jax.lax.cond(jnp.all(finite), lambda: weighted(False),
-                        lambda: weighted(True)), diagnostics
+    sums = jax.lax.cond(jnp.all(finite), lambda: weighted(False), lambda: weighted(True))
+    if elementwise:
+        for t in taps:
+            leaf = _get(sums["params"], t.path)
+            leaf["kernel"] = leaf["kernel"].T.reshape(
+                _get(params["params"], t.path + ("kernel",)).shape)
+    return sums, diagnostics
 
 
 def _set(tree: dict, path: tuple, value) -> None:

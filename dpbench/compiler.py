@@ -515,6 +515,7 @@ def _bookkeeping_sum_fn(plan: Plan, loss_fn: Callable):
     clip_index = plan.validated.clip_index
     middle = range(1, clip_index)
     use_masks = bookkeeping.masks_only(plan.stages, clip_index)
+    elementwise = all(plan.stages[i].elementwise for i in middle)
 
     def clipped_sum(params, states, step, step_key, batch):
         masks = None
@@ -533,7 +534,8 @@ def _bookkeeping_sum_fn(plan: Plan, loss_fn: Callable):
         def micro(images, labels, mask, positions):
             transform = None if use_masks or clip_index == 1 else transform_at(positions)
             return bookkeeping.clipped_sum(plan.model, plan.taps, params, images, labels, mask,
-                                           plan.stages[clip_index].l2_bound, masks, transform)
+                                           plan.stages[clip_index].l2_bound, masks, transform,
+                                           elementwise)
 
         micro_steps, size = batch["mask"].shape
         positions = jnp.arange(micro_steps * size, dtype=jnp.int32).reshape(micro_steps, size)

@@ -33,6 +33,8 @@ def _chain(kind):
 
 
 @pytest.mark.parametrize("name,shape,kind", [("tanh_cnn", (28, 28, 1), "dpsgd"),
+                                              ("tanh_cnn", (28, 28, 1), "rs"),
+                                              ("tanh_cnn", (28, 28, 1), "nasr"),
                                               ("mlp", (8, 8, 1), "dpssgd"),
                                               ("mlp", (8, 8, 1), "rs"),
                                               ("mlp", (8, 8, 1), "nasr")])
@@ -56,7 +58,7 @@ def test_same_clipped_sum_either_way(name, shape, kind):
     for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
         np.testing.assert_allclose(g, w, rtol=2e-4, atol=2e-6)
     assert float(jnp.abs(jax.tree.leaves(got)[0]).sum()) > 0  # not vacuous
-    if kind != "rs":
+    if kind != "rs" or name != "mlp":
         return  # the whole step once (compiling two more steps per case costs suite time)
     _, fast_metrics = fast.step(state, batch)
     state2 = slow.init_state(model.init(jax.random.key(1), jnp.zeros((1,) + shape)),

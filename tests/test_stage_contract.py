@@ -15,6 +15,8 @@ allow and compiled by the one compiler on a small model. Then:
 4. a stage that declares ``Mask.PER_EXAMPLE`` (its per-example apply is its public mask, so the
    compiler may clip by book-keeping without materializing it) gives the same clipped sum
    compiled either way.
+5. a stage that declares ``elementwise`` (so book-keeping may hand it reordered coordinates)
+   maps a reordered, reshaped gradient to the same reordering of its output, whatever its key.
 """
 
 import jax
@@ -125,6 +127,10 @@ def test_a_declared_per_example_mask_is_what_the_stage_does(contract):
     check_mask_declaration(contract)
 
 
+def test_a_declared_elementwise_stage_ignores_positions(contract):
+    check_elementwise_declaration(contract)
+
+
 def check_jit(contract):
     _, _, compiled, _, images, labels, state = contract
     state = _copy(state)
@@ -212,6 +218,31 @@ def check_mask_declaration(contract):
     return stage_mask
 
 
+def check_elementwise_declaration(contract):
+    """apply(reversed, flattened g) == reversed, flattened apply(g), with another key: what
+    book-keeping relies on when it hands the stage outputs-first kernels."""
+    stage, index, compiled, _, _, _, state = contract
+    if not stage.elementwise:
+        return False
+    rng = np.random.default_rng()
+    fns = compiled.plan.fns[index]
+    grads = jax.tree.map(lambda p: jnp.asarray(rng.normal(size=p.shape) * 10.0 ** rng.uniform(
+        -5, 1, size=p.shape), p.dtype), state.params)
+
+    def apply(tree, seed):
+        ctx = stages.StepContext(params=state.params, step=jnp.asarray(0),
+                                 key=jax.random.key(seed))
+        return jax.jit(lambda t: fns.apply(t, state.stage_states[index], ctx))(tree)
+
+    want = apply(grads, 0)
+    got = apply(jax.tree.map(lambda g: g.reshape(-1)[::-1], grads), 1)
+    for w, g in zip(jax.tree.leaves(want), jax.tree.leaves(got)):
+        np.testing.assert_array_equal(g, w.reshape(-1)[::-1], err_msg=(
+            f"{stage.name} declares elementwise but its output depends on positions or keys"))
+    assert any(float(jnp.abs(w).sum()) > 0 for w in jax.tree.leaves(want))
+    return True
+
+
 def test_the_contract_catches_broken_stages():
     """A 'clip' that does not clip, and a stage that says it ignores private values but keeps
     a function of them in its state, both fail their check."""
@@ -247,3 +278,21 @@ def test_the_contract_catches_broken_stages():
                                 public_mask=frozenset({stages.Mask.PER_EXAMPLE}))
     with pytest.raises(AssertionError, match="not its declared per-example mask"):
         check_mask_declaration(_contract_for(not_its_mask))
+
+    def ramp(value, state, ctx):  # declares elementwise, but scales by position
+        return jax.tree.map(lambda v: v * jnp.arange(v.size, dtype=v.dtype).reshape(v.shape),
+                            value)
+
+    positional = stages.Stage(name="broken.ramp", kind_in=K.PER_EXAMPLE,
+                              kind_out=K.PER_EXAMPLE, make=stages.base.stateless(ramp),
+                              elementwise=True)
+    with pytest.raises(AssertionError, match="declares elementwise"):
+        check_elementwise_declaration(_contract_for(positional))
+
+    def keyed(value, state, ctx):  # declares elementwise, but draws with its key
+        return jax.tree.map(lambda v: v + jax.random.normal(ctx.key, ()), value)
+
+    random = stages.Stage(name="broken.keyed", kind_in=K.PER_EXAMPLE, kind_out=K.PER_EXAMPLE,
+                          make=stages.base.stateless(keyed), elementwise=True)
+    with pytest.raises(AssertionError, match="declares elementwise"):
+        check_elementwise_declaration(_contract_for(random))

@@ -162,6 +162,10 @@ class Stage:
         accounted release of private data before training (DP-SNIP).
       public_mask: where the compiler applies the stage's public ``state["mask"]``
         (:class:`Mask` members).
+      elementwise: for a per-example stage: ``apply`` is one scalar function applied to every
+        coordinate, reading no position, state or key (Nasr's ternary); the compiler may then
+        hand it a gradient whose leaves are laid out differently (book-keeping's outputs-first
+        kernels), since such a map commutes with any reordering of the coordinates.
       options: the factory's arguments (and facts for the privacy statement), recorded.
     """
 
@@ -177,6 +181,7 @@ class Stage:
     reads_private: bool = True
     one_off_release: Optional[OneOffRelease] = None
     public_mask: frozenset = frozenset()
+    elementwise: bool = False
     options: dict = dataclasses.field(default_factory=dict)
 
     @property

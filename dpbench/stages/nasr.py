@@ -37,7 +37,7 @@ def discretize(threshold: float = 0.001) -> Stage:
         return jax.tree.map(lambda g: ternary(g, threshold), grads)
 
     return Stage(name="discretize.ternary", kind_in=Kind.PER_EXAMPLE, kind_out=Kind.PER_EXAMPLE,
-                 make=stateless(apply), options=dict(threshold=threshold))
+                 make=stateless(apply), elementwise=True, options=dict(threshold=threshold))
 
 
 def log_likelihoods(y, nu, scale):

@@ -25,21 +25,12 @@ from absl import app, flags
 from benchmarks import speed
 
 FLAGS = flags.FLAGS
-
-
-def define_flags() -> None:
-    """Its command-line flags, defined only when it runs as a program (benchmarks.speed, which
-    it imports, has flags of the same names)."""
-    flags.DEFINE_string("pipeline", "dpsgd", "pipelines/<name>.gin")
-    flags.DEFINE_integer("batch_size", 1024, "expected batch size B")
-    flags.DEFINE_integer("micro_batch_size", 32, "micro-batch size")
-    flags.DEFINE_integer("steps", 20, "traced steps")
-    flags.DEFINE_integer("warmup", 3, "untraced steps first (compilation)")
-    flags.DEFINE_integer("top", 25, "operations listed")
-    flags.DEFINE_string("data_gin", "gin/data/fashion_mnist.gin", "data gin file")
-    flags.DEFINE_string("model_gin", "gin/model/tanh_cnn.gin", "model gin file ('' for none)")
-    flags.DEFINE_multi_string("bindings", [], "extra gin bindings")
-
+# Its own flags; --steps (traced steps), --warmup, --data_gin, --model_gin and --bindings are
+# benchmarks.speed's, which it imports and shares.
+flags.DEFINE_string("pipeline", "dpsgd", "pipelines/<name>.gin")
+flags.DEFINE_integer("batch_size", 1024, "expected batch size B")
+flags.DEFINE_integer("micro_batch_size", 32, "micro-batch size")
+flags.DEFINE_integer("top", 25, "operations listed")
 
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%([\w.\-]+) = ")
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
@@ -128,9 +119,4 @@ def main(argv) -> None:
 
 
 if __name__ == "__main__":
-    for name in ("pipeline", "batch_size", "micro_batch_size", "steps", "warmup", "top",
-                 "data_gin", "model_gin", "bindings"):
-        if name in FLAGS:
-            delattr(FLAGS, name)  # benchmarks.speed's own flags of the same names
-    define_flags()
     app.run(main)

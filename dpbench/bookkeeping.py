@@ -135,7 +135,7 @@ def masks_only(stages, clip_index: int) -> bool:
 
 
 def _layer_terms(a, delta, kernel_mask, bias_mask, tap: Tap):
-    """One layer, per example: (squared norm of its masked gradient, its materialized masked
+    """One layer, per example: (squared norm of its masked gradient, its materialized UNmasked
     kernel gradient B x p x d or None when the norm came from ghost products, its masked bias
     gradient B x p)."""
     bias = jnp.sum(delta, axis=1)
@@ -153,16 +153,21 @@ def _layer_terms(a, delta, kernel_mask, bias_mask, tap: Tap):
         return jnp.sum(gram_a * gram_d, axis=(1, 2)) + bias_sq, None, bias
     # Materialized (reused for the weighted sum) outputs-first, B x p x d: XLA's CPU batched
     # dot writes that layout about twice as fast as B x d x p (tanh CNN's convolutions).
+    # The mask is the same for every example, so the kernel stays unmasked: the norm weighs its
+    # squares by the mask's and the weighted sum is masked once (_weighted_sums), which saves
+    # writing and re-reading a masked B x p x d copy.
     kernel = jnp.einsum("btd,btp->bpd", a, delta)
+    squares = jnp.square(kernel)
     if kernel_mask is not None:
-        kernel = kernel * kernel_mask.T
-    return jnp.sum(jnp.square(kernel), axis=(1, 2)) + bias_sq, kernel, bias
+        squares = squares * jnp.square(kernel_mask.T)
+    return jnp.sum(squares, axis=(1, 2)) + bias_sq, kernel, bias
 
 
 def _weighted_sums(terms: dict, scale, zero_bad: bool) -> dict:
     """Per layer sum_i scale_i g_i: from the materialized per-example kernel gradients where
-    there are some, else as (scale a)^T delta; ``zero_bad`` first zeroes examples with a
-    zero scale (a non-finite gradient: NaN * 0 is NaN)."""
+    there are some, else as (scale a)^T delta, then times the kernel mask (public, the same for
+    every example); ``zero_bad`` first zeroes examples with a zero scale (a non-finite
+    gradient: NaN * 0 is NaN)."""
     out = {}
     for path, (a, delta, kernel, bias, kmask) in terms.items():
         if zero_bad:
@@ -174,7 +179,7 @@ def _weighted_sums(terms: dict, scale, zero_bad: bool) -> dict:
             k = jnp.einsum("b,bpd->pd", scale, kernel).T
         else:
             k = jnp.einsum("btd,btp->dp", a * scale[:, None, None], delta)
-            k = k if kmask is None else k * kmask
+        k = k if kmask is None else k * kmask
         out[path] = (k, jnp.einsum("b,bp->p", scale, bias))
     return out
 

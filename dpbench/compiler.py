@@ -820,6 +820,7 @@ def compile_pipeline(stages: Sequence[Stage], *, loss_fn: Callable, init_params:
     compiler pick book-keeping where it applies.
     """
     mesh = sharding.make_mesh() if mesh is None else mesh
+    sharding.limit_lapack_threads()
     validate_pipeline(stages)  # rule errors before any size error
     micro_steps = _check_sizes(total_steps, ema_decay, micro_batch_size, mesh,
                                sampler.padded_batch_size)

@@ -1,4 +1,5 @@
-"""The one place that decides how arrays are laid out over devices.
+"""The one place that decides how arrays are laid out over devices (and which threads run a
+step on the host's CPU cores).
 
 One 1-D mesh over all devices with axis 'data'. Batches arrive as [micro_steps, micro_batch, ...]
 and are sharded over the micro-batch axis, so every micro-batch of the scan is spread over all
@@ -11,6 +12,7 @@ from __future__ import annotations
 import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from threadpoolctl import ThreadpoolController
 
 DATA_AXIS = "data"
 # The batch entry with the stages' public host randomness (GIP): replicated, never sharded.
@@ -40,3 +42,19 @@ def put_batch(batch: dict, mesh: Mesh) -> dict:
 
 def put_replicated(tree, mesh: Mesh):
     return jax.device_put(tree, replicated(mesh))
+
+
+def limit_lapack_threads() -> None:
+    """Makes OpenBLAS single-threaded in this process (numpy's and scipy's; jaxlib's CPU LAPACK
+    kernels, i.e. the QR, Cholesky and eigh inside a step such as GEP's basis, call scipy's).
+
+    Why: a step already runs on XLA's own thread pool over every core; a LAPACK call inside it
+    that starts OpenBLAS's threads makes two pools spin on the same cores. GEP's step on 2 CPU
+    cores (Fashion-MNIST, tanh CNN, m=512, k=200) took 200 -> 170 ms at B=256 and 301 -> 225 ms
+    at B=1024 with one OpenBLAS thread (alternate steps of one run, quiet machine), and
+    1200 -> 360 ms with two other jobs on the cores (WORKSPACE.md "Speed"). Process-wide
+    because XLA runs the step asynchronously: a limit scoped to the dispatch would not hold
+    while the LAPACK call runs. Only OpenBLAS: the speed benchmark's torch rows (MKL, OpenMP) in
+    the same process keep their threads. No effect on a GPU, where LAPACK is cuSOLVER."""
+    import scipy.linalg.cython_lapack  # noqa: F401  (loads the OpenBLAS jaxlib will call)
+    ThreadpoolController().select(internal_api="openblas").limit(limits=1)

@@ -174,3 +174,20 @@ def test_residual_bound_is_tight_when_the_residual_is_not_tiny():
         finished = (np.asarray(out["rv"]["layer"]["kernel"][i], np.float64)
                     - b64.T @ np.asarray(out["rw"]["layer"][i], np.float64))
         assert 1.0 - 1e-3 <= np.linalg.norm(finished) <= 1.0  # clipped onto the sphere
+
+
+def test_random_start_is_independent_fair_signs():
+    """32 signs per random word: every entry +-1, fair, and neither neighbours in a row (bits of
+    one word), nor rows, nor the same bit of consecutive words are correlated."""
+    k, p = 64, 3000 + 7  # p not a multiple of 32: the last word is cut
+    key = jax.random.key(np.random.default_rng().integers(2**31))
+    x = np.asarray(jax.jit(gep.random_start, static_argnums=(1, 2))(key, k, p))
+    assert x.shape == (k, p) and set(np.unique(x)) == {-1.0, 1.0}
+    five_sigma = lambda n: 5 / np.sqrt(n)  # noqa: E731 (a mean of n fair signs)
+    assert abs(x.mean()) < five_sigma(x.size)
+    assert np.all(np.abs(x.reshape(k, -1)[:, :p - p % 32].reshape(k, -1, 32).mean(axis=(0, 1)))
+                  < five_sigma(k * (p // 32)))  # every bit position is fair
+    for a, b in ((x[:, 1:], x[:, :-1]), (x[1:], x[:-1]), (x[:, 32:], x[:, :-32])):
+        assert abs(np.mean(a * b)) < five_sigma(a.size)
+    other = np.asarray(gep.random_start(jax.random.fold_in(key, 1), k, p))
+    assert abs(np.mean(x * other)) < five_sigma(x.size)

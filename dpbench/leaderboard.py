@@ -217,9 +217,16 @@ def _step_ratio(row: dict, base: Optional[dict], perf: dict) -> tuple:
     b = row["batch_size"]
     if (row["method"], b) in perf and (BASELINE, b) in perf:
         return perf[(row["method"], b)] / perf[(BASELINE, b)], "bench"
-    if base is None:
+    if base is None or row["step_s"] is None or base["step_s"] is None:
         return None, None
     return row["step_s"] / base["step_s"], "runs"
+
+
+def _mean_or_none(values: list) -> Optional[float]:
+    """The mean of the values that exist (a resumed run whose last segment had no steady step
+    records no median step time), None when none does."""
+    present = [v for v in values if v is not None]
+    return float(np.mean(present)) if present else None
 
 
 def summarize(records: list[dict], audits: dict, out_dir: Path,
@@ -251,7 +258,7 @@ def summarize(records: list[dict], audits: dict, out_dir: Path,
                 batch_size=first["batch_size"], epochs=first["epochs"],
                 accountant=first["accountant"], sampling=first["sampling"]["sampling"],
                 epsilon=max(r["epsilon"] for r in runs),
-                step_s=float(np.mean([r["median_step_s"] for r in runs])),
+                step_s=_mean_or_none([r["median_step_s"] for r in runs]),
                 audit_epsilon_lb=None if audit is None else audit["epsilon_lb"],
                 fidelity_cosine=(float(np.mean([f["cosine_mean"] for f in fidelity]))
                                  if fidelity else None),

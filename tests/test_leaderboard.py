@@ -260,3 +260,17 @@ def test_a_plot_shared_by_several_epsilons_is_shown_once(records, tmp_path):
     readme = (tmp_path / "board" / "README.md").read_text()
     assert page.count("<h2>") == 2 and page.count("<img ") == 1  # one (dataset, model, delta)
     assert readme.count("![accuracy vs epsilon]") == 1
+
+
+def test_a_run_without_a_step_time_is_summarized_from_the_others(tmp_path):
+    """A resumed run whose last segment had no steady steps records median_step_s = None (a
+    sweep interrupted near a run's end): the board averages the runs that have one, and
+    without any it shows no step ratio instead of failing."""
+    root = tmp_path / "records"
+    for seed in range(2):
+        write(root, GROUP, f"dpsgd-s{seed}", fake_record("dpsgd", seed, 0.86, 0.86,
+                                                         step_s=None if seed else 0.1))
+        write(root, GROUP, f"rs-s{seed}", fake_record("rs", seed, 0.87, 0.85, step_s=None))
+    rows = {r["method"]: r for r in leaderboard.build(root, tmp_path / "board")[GROUP]}
+    assert rows["dpsgd"]["step_s"] == pytest.approx(0.1)
+    assert rows["rs"]["step_s"] is None and rows["rs"]["step_ratio"] is None

@@ -412,7 +412,13 @@ def masked_sum(per_example: Callable, batch: dict) -> tuple:
 
         def masked(v):
             m = mask.reshape(mask.shape + (1,) * (v.ndim - 1))
-            return jnp.sum(jnp.where(m, v, jnp.zeros_like(v)), axis=0)
+            kept = jnp.where(m, v, jnp.zeros_like(v))  # a padding slot adds exactly 0, even NaN
+            if not jnp.issubdtype(v.dtype, jnp.floating):
+                return jnp.sum(kept, axis=0)
+            # The sum over examples as a product with ones: XLA's CPU reduce over the leading
+            # axis falls off a cliff once a row outgrows the cache (32 x 39690, ScatterNet's
+            # linear layer: 10 ms against 0.4 ms as a dot; WORKSPACE "Speed").
+            return jnp.tensordot(jnp.ones(v.shape[0], v.dtype), kept, axes=1)
 
         return jax.tree.map(masked, out)
 

@@ -311,3 +311,32 @@ def test_fidelity_diagnostics_compare_the_release_with_the_clean_clipped_mean(si
     else:
         assert float(metrics["fidelity_cosine"]) < 0.9
         assert float(metrics["noise_to_signal"]) > 1.0
+
+
+def test_masked_sum_is_the_sum_over_real_examples_and_ignores_the_rest_exactly():
+    """compiler.masked_sum over [micro_steps, micro_batch] (a row larger than the CPU cache,
+    where the sum is a dot product, and a small one): equal to the float64 sum over the real
+    examples; padding slots whose values are NaN or inf contribute exactly nothing, and a
+    micro-batch without a real example is skipped."""
+    rng = np.random.default_rng()
+    micro_steps, micro = 3, 8
+    big = rng.normal(size=(micro_steps, micro, 397, 100)).astype(np.float32)
+    small = rng.normal(size=(micro_steps, micro, 5)).astype(np.float32)
+    mask = rng.random((micro_steps, micro)) < 0.6
+    mask[0, 0], mask[1] = True, False  # at least one real example; one empty micro-batch
+    big[~mask] = np.nan
+    small[~mask] = np.inf
+    batch = {"image": jnp.asarray(big), "label": jnp.asarray(small),
+             "mask": jnp.asarray(mask)}
+
+    def per_example(example, position):
+        return ({"big": example["image"] * 2.0, "small": example["label"]},
+                {"position": position.astype(jnp.float32)})
+
+    total, aux = jax.jit(lambda b: compiler.masked_sum(per_example, b))(batch)
+    want_big = 2.0 * big[mask].astype(np.float64).sum(axis=0)
+    np.testing.assert_allclose(total["big"], want_big, rtol=1e-5, atol=1e-4)
+    np.testing.assert_allclose(total["small"], small[mask].astype(np.float64).sum(axis=0),
+                               rtol=1e-5, atol=1e-5)
+    positions = np.arange(micro_steps * micro).reshape(micro_steps, micro)
+    assert float(aux["position"]) == float(positions[mask].sum())

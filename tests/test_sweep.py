@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 
+import numpy as np
 import pytest
 import ray  # noqa: F401  (the [sweep] extra: CI installs it, so this test never skips)
 from dp_accounting import dp_event
@@ -176,3 +177,37 @@ def test_a_changed_protocol_is_refused_once_a_search_began(tmp_path):
     with pytest.raises(tuning.ProtocolError, match="the protocol changed") as e:
         sweep.prepare(protocol, "digits__logistic", 3.0, ["dpsgd"], tmp_path)
     assert str(tmp_path / GROUP / sweep.SEARCH_FILE) in str(e.value)
+
+
+def _write_run(run_dir, wall_segments, record_wall=None):
+    """A run directory whose metrics.jsonl logged ``wall_segments`` (one list of wall_s per
+    process that trained it), and a run record when record_wall is given."""
+    run_dir.mkdir(parents=True)
+    lines = []
+    for segment in wall_segments:
+        for step, wall in enumerate(segment):
+            lines.append(json.dumps({"step": step, "wall_s": wall}))
+            lines.append(json.dumps({"step": step, "validation_accuracy": 0.5}))
+    lines.append('{"step": 9, "wall_s": 1')  # a line cut by a kill
+    (run_dir / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    if record_wall is not None:
+        (run_dir / "run_record.json").write_text(json.dumps({"wall_time_s": record_wall}))
+
+
+def test_the_sweep_cost_sums_every_segment_of_every_run(tmp_path):
+    """`dpbench sweep --cost`: per group, runs started and finished and the core-hours they
+    took: each process's last logged wall time, the record's own for a finished run's last
+    segment (it covers the steps after the last log), times the CPUs per trial."""
+    rng = np.random.default_rng()
+    a, b, c = (float(x) for x in rng.uniform(100, 1000, size=3))
+    _write_run(tmp_path / "g1" / "dpsgd-t0-seed0", [[10.0, a], [5.0, b]], record_wall=b + 7.0)
+    _write_run(tmp_path / "g1" / "rs-t0-seed0", [[3.0, c]])  # interrupted, never finished
+    _write_run(tmp_path / "g2" / "gep-t1-seed0", [[1.0, 2.0]], record_wall=2.5)
+    cost = sweep.sweep_cost(tmp_path, cpus_per_trial=2.0)
+    assert cost["g1"]["started"] == 2 and cost["g1"]["finished"] == 1
+    assert cost["g1"]["core_hours"] == pytest.approx(2.0 * (a + b + 7.0 + c) / 3600)
+    assert cost["g2"]["core_hours"] == pytest.approx(2.0 * 2.5 / 3600)
+    out = subprocess.run([sys.executable, "-m", "dpbench.sweep", "--cost",
+                          f"--runs_dir={tmp_path}"], capture_output=True, text=True, check=True)
+    assert "g1: 2 runs started, 1 finished" in out.stdout
+    assert f"total: {(a + b + 7.0 + c + 2.5) / 3600:.2f} core-hours" in out.stdout

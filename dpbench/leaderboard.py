@@ -213,13 +213,15 @@ def load_perf(path) -> dict:
 def _step_ratio(row: dict, base: Optional[dict], perf: dict) -> tuple:
     """The method's step time over DP-SGD's: from the speed benchmark at the run's batch size
     (measured side by side on a quiet machine) when it has both, else from the runs' own median
-    step times (which may have shared the machine). Returns (ratio, source)."""
+    step times (which may have shared the machine) per example, since v2's winners tune their
+    batch size (the same ratio as per step when the batch sizes agree). Returns (ratio,
+    source)."""
     b = row["batch_size"]
     if (row["method"], b) in perf and (BASELINE, b) in perf:
         return perf[(row["method"], b)] / perf[(BASELINE, b)], "bench"
     if base is None or row["step_s"] is None or base["step_s"] is None:
         return None, None
-    return row["step_s"] / base["step_s"], "runs"
+    return (row["step_s"] / row["batch_size"]) / (base["step_s"] / base["batch_size"]), "runs"
 
 
 def _mean_or_none(values: list) -> Optional[float]:
@@ -368,7 +370,8 @@ def render_markdown(table: dict, plots: dict, note: str = "", trial_plots=None,
              "privacy terms). cos(release, clean) and noise/signal are non-private diagnostics "
              "(means over training) where the runs recorded them. Step time vs DP-SGD is the "
              "speed benchmark's ratio at the run's batch size (`PERF.md`); x† marks a ratio "
-             "of the runs' own median step times (no benchmark row).", ""]
+             "of the runs' own median step times per example (no benchmark row; the batch "
+             "sizes may differ).", ""]
     if note:
         lines += [note.strip(), ""]
     for title, cells in verdicts or []:
@@ -411,7 +414,8 @@ def render_html(table: dict, plots: dict, note: str = "", trial_plots=None,
              "<h1>dpbench leaderboard</h1>",
              "<p>" + html.escape(SELECTION_RULE) + " Generated from run records by "
              "<code>dpbench leaderboard</code>. Step time vs DP-SGD: the speed benchmark's "
-             "ratio at the run's batch size (PERF.md); x† marks the runs' own step times.</p>"]
+             "ratio at the run's batch size (PERF.md); x† marks the runs' own step times per "
+             "example.</p>"]
     if note:
         parts += [f"<p class='note'>{_inline_markdown(paragraph)}</p>"
                   for paragraph in re.split(r"\n\s*\n", note.strip())]

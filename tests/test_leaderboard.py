@@ -274,3 +274,19 @@ def test_a_run_without_a_step_time_is_summarized_from_the_others(tmp_path):
     rows = {r["method"]: r for r in leaderboard.build(root, tmp_path / "board")[GROUP]}
     assert rows["dpsgd"]["step_s"] == pytest.approx(0.1)
     assert rows["rs"]["step_s"] is None and rows["rs"]["step_ratio"] is None
+
+
+def test_the_runs_own_step_ratio_is_per_example_when_batch_sizes_differ(tmp_path):
+    """Board v2 tunes the batch size per method: a winner at B=8192 against DP-SGD's at
+    B=4096 takes about twice as long a step for the same cost per example. The runs' own
+    ratio (x†) compares time per example, so it says the method's cost, not its batch."""
+    root = tmp_path / "records"
+    for seed in range(2):
+        write(root, GROUP, f"dpsgd-s{seed}", dict(fake_record("dpsgd", seed, 0.86, 0.86,
+                                                              step_s=0.4), batch_size=4096))
+        write(root, GROUP, f"rs-s{seed}", dict(fake_record("rs", seed, 0.87, 0.85,
+                                                           step_s=0.96), batch_size=8192))
+    rows = {r["method"]: r for r in leaderboard.build(root, tmp_path / "board")[GROUP]}
+    assert rows["rs"]["step_ratio"] == pytest.approx(1.2)
+    assert rows["rs"]["step_source"] == "runs"
+    assert "| 1.20x† |" in (tmp_path / "board" / "README.md").read_text()

@@ -7,6 +7,8 @@ import math
 import re
 import types
 
+import jax
+
 from benchmarks import speed as bench
 
 COLUMNS = ["configuration", "B", "padded P", "ms/step (median of rounds)", "round medians",
@@ -222,3 +224,42 @@ def test_micro_batch_sizes_per_batch_size_with_a_default():
     assert bench.micro_batch_size_for(options, 256) == 64
     assert bench.micro_batch_size_for(options, 1024) == 128
     assert "train.micro_batch_size = 64" in bench._bindings(options, 256)
+
+
+def test_the_gep_floor_gives_its_own_target_line_and_ratio():
+    """GEP light's floor (its matrix products alone, a lower bound for any GEP step here) is
+    reported against DP-SGD at the same batch size and checked against GEP's own 2.5x target:
+    when the floor fails it, no implementation of the step can meet it on this machine."""
+    def rows(floor_ms):
+        return [_row("dpbench dpsgd", "dpbench", 256, 50.0, pipeline="dpsgd"),
+                _row(bench.FLOOR_LABEL, "floor", 256, floor_ms, pipeline="gep",
+                     setting="light")]
+    name = f"B=256: {bench.FLOOR_LABEL} <= 2.5x DP-SGD"
+    for floor_ms, holds in ((150.0, False), (100.0, True)):
+        ratios = bench.compute_ratios(rows(floor_ms), (256,))
+        assert math.isclose(ratios["per_batch"]["256"]["gep_floor_over_dpsgd"], floor_ms / 50)
+        assert "dpbench gep (light)" not in ratios["per_batch"]["256"]["methods"]
+        assert {t["target"]: t["holds"] for t in bench.targets(ratios, None)}[name] is holds
+    without = bench.compute_ratios(rows(100.0)[:1], (256,))
+    assert not any(bench.FLOOR_LABEL in t["target"] for t in bench.targets(without, None))
+
+
+def test_the_gep_floor_times_the_products_of_the_pipelines_own_shapes():
+    """The floor's shapes are the compiled GEP pipeline's: per parameter group its size p_g
+    and basis k_g, m anchors, the expected batch B; FLOPs = sum_g (4 m + 2 B) p_g k_g."""
+    from dpbench.stages import gep
+
+    bindings = ["train.batch_size = 64", "train.micro_batch_size = 32",
+                "dataset.public_size = 48", "gep.embed_and_clip.num_anchors = 48",
+                "gep.embed_and_clip.num_basis = 20"]
+    spec = dict(gin_files=["pipelines/gep.gin", "gin/data/digits.gin"], bindings=bindings,
+                noise_multiplier=1.0, steps=2, warmup=1)
+    result = bench.worker_gep_floor(spec)
+    params = bench.build_dp_run(spec)["state"].params["params"]
+    sizes = {layer: sum(x.size for x in jax.tree.leaves(sub)) for layer, sub in params.items()}
+    ks = gep.basis_sizes(sizes, 20, 48)
+    assert result["basis_per_group"] == ks and result["num_anchors"] == 48
+    assert result["expected_batch_size"] == 64
+    assert result["flops"] == sum((4 * 48 + 2 * 64) * sizes[g] * ks[g] for g in sizes)
+    assert result["timed_steps"] == 2 and result["ms_median"] > 0
+    assert math.isclose(result["gflop_per_s"], result["flops"] / result["ms_median"] / 1e6)

@@ -8,6 +8,7 @@ import re
 import types
 
 import jax
+import numpy as np
 
 from benchmarks import speed as bench
 
@@ -263,3 +264,30 @@ def test_the_gep_floor_times_the_products_of_the_pipelines_own_shapes():
     assert result["flops"] == sum((4 * 48 + 2 * 64) * sizes[g] * ks[g] for g in sizes)
     assert result["timed_steps"] == 2 and result["ms_median"] > 0
     assert math.isclose(result["gflop_per_s"], result["flops"] / result["ms_median"] / 1e6)
+
+
+def test_the_jax_non_private_gradient_accumulated_over_micro_batches_is_the_batch_gradient():
+    """The JAX non-private row sums its gradient over micro-batches (as dpbench's rows do, so
+    XLA's cache cliff on a whole-batch step does not inflate the baseline): the loss and the
+    gradient are the whole batch's mean, and a chunk that does not divide B falls back to it."""
+    import jax.numpy as jnp
+
+    key = jax.random.PRNGKey(np.random.randint(1 << 30))
+    k1, k2, k3 = jax.random.split(key, 3)
+    params = {"w": jax.random.normal(k1, (6, 3)), "b": jnp.zeros(3)}
+    images = jax.random.normal(k2, (12, 6))
+    labels = jax.random.randint(k3, (12,), 0, 3)
+
+    def mean_loss(p, x, y):
+        logits = x @ p["w"] + p["b"]
+        return jnp.mean(jax.nn.logsumexp(logits, axis=1) - logits[jnp.arange(len(y)), y])
+
+    whole = jax.jit(jax.value_and_grad(mean_loss))(params, images, labels)
+    for chunk in (4, 5, 12, 64):
+        got = jax.jit(lambda p, x, y: bench.accumulated_value_and_grad(
+            mean_loss, p, x, y, chunk))(params, images, labels)
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(whole)):
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    # a wrong average (sum of chunk means, not their mean) is caught
+    chunked = bench.accumulated_value_and_grad(mean_loss, params, images, labels, 4)
+    assert not np.allclose(chunked[0] * 3, whole[0])

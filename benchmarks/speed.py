@@ -465,13 +465,11 @@ def worker_main_job(spec: dict) -> dict:
 def gep_floor_shapes(run: dict) -> dict:
     """The GEP light step's matrix shapes: {group: (p_g, k_g)}, the anchor count m and the
     step's expected batch B, read off the compiled GEP pipeline and its parameters."""
-    import jax
-
     from dpbench.stages import gep
 
     (stage,) = [f for f in run["compiled"].plan.facts() if f["name"] == "gep.embed_and_clip"]
     groups = gep._groups(run["state"].params)
-    shapes = {g: (int(sum(np.prod(x.shape) for x in jax.tree.leaves(groups[g]))), int(k))
+    shapes = {g: (_param_count(groups[g]), int(k))
               for g, k in sorted(stage["basis_per_group"].items())}
     return dict(groups=shapes, num_anchors=int(stage["num_anchors"]),
                 batch_size=int(round(run["sampler"].expected_batch_size)))

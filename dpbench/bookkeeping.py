@@ -246,17 +246,6 @@ def clipped_sum(model: nn.Module, taps: tuple, params, images, labels, mask, l2_
     return {"params": grads}, diagnostics
 
 
-def through_a_dot(a):
-    """``a`` (B x 1 x d, one dense layer's inputs) in value (a -0 may come back +0), as the
-    output of a dot over a padded axis of 2. Why: a dot's output is a buffer that XLA's CPU
-    fusion cannot look through, while an elementwise consumer of the outer product a delta^T
-    otherwise recomputes a's producer (the tanh CNN's 2x2 max-pool, four reads) once per
-    output column of the layer: 32 times for Dense_0. Nasr's clipped sum per micro-batch of 32
-    took 0.75x its time with this (hand probe, WORKSPACE "Speed")."""
-    padded = jnp.pad(a, ((0, 0), (0, 1), (0, 0)))   # a * 1 + 0 * 0: exact
-    return jnp.einsum("btd,tk->bkd", padded, jnp.asarray([[1.0], [0.0]], a.dtype))
-
-
 def _transformed_sum(taps, params, inputs, deltas, losses, mask, l2_bound: float, transform,
                      elementwise: bool):
     """The per-example gradients materialized from the layer terms, ``transform``ed, clipped
@@ -267,7 +256,7 @@ def _transformed_sum(taps, params, inputs, deltas, losses, mask, l2_bound: float
     grads = {}
     for t in taps:
         a = inputs[t.path].reshape(b, t.positions, t.inputs)
-        a = through_a_dot(a) if t.positions == 1 else a
+        a = models.through_a_dot(a) if t.positions == 1 else a  # Nasr: 0.75x
         delta = deltas[t.path].reshape(b, t.positions, t.outputs)
         kernel_shape = _get(params["params"], t.path + ("kernel",)).shape
         kernel = (jnp.einsum("btd,btp->bpd", a, delta) if elementwise else

@@ -857,13 +857,28 @@ def targets(ratios: dict, calibration: Optional[dict], main_job: Optional[dict] 
     return lines
 
 
+# The CPU's vector extensions that decide how fast matrix products run (torch's oneDNN and
+# XLA's CPU backend use what is there): two hosts with the same model name differed here.
+VECTOR_EXTENSIONS = ("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "avx512_fp16",
+                     "amx_tile", "amx_bf16")
+
+
+def cpu_facts(cpuinfo: str) -> tuple:
+    """(model name, the VECTOR_EXTENSIONS among its flags) from /proc/cpuinfo's text."""
+    cpu, flags = None, set()
+    for line in cpuinfo.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() == "model name" and cpu is None:
+            cpu = value.strip()
+        elif key.strip() == "flags" and not flags:
+            flags = set(value.split())
+    return cpu, [x for x in VECTOR_EXTENSIONS if x in flags]
+
+
 def machine_facts() -> dict:
-    cpu = None
+    cpu, extensions = None, []
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
+        cpu, extensions = cpu_facts(Path("/proc/cpuinfo").read_text())
     except OSError:
         pass
     try:
@@ -871,7 +886,8 @@ def machine_facts() -> dict:
     except (ValueError, OSError, AttributeError):
         ram = None
     affinity = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
-    return dict(cpu_model=cpu or platform.processor() or "unknown", cores=os.cpu_count(),
+    return dict(cpu_model=cpu or platform.processor() or "unknown", cpu_extensions=extensions,
+                cores=os.cpu_count(),
                 cores_available=affinity, ram_gib=ram, platform=platform.platform(),
                 load_average=os.getloadavg() if hasattr(os, "getloadavg") else None)
 
@@ -988,7 +1004,8 @@ def render(report: dict) -> str:
               f"Started {report['started']}, finished {report.get('finished') or '(running)'}; "
               f"wall time {_fmt(report.get('wall_s'), 0)} s.", "",
               "## Machine", "",
-              f"- CPU: {m['cpu_model']}",
+              f"- CPU: {m['cpu_model']}; vector extensions: "
+              f"{', '.join(m.get('cpu_extensions') or []) or 'none of ' + ', '.join(VECTOR_EXTENSIONS)}",
               f"- cores: {m['cores']} (available to this process: {m['cores_available']})",
               f"- RAM: {_fmt(m['ram_gib'])} GiB",
               f"- platform: {m['platform']}",

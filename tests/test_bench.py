@@ -291,3 +291,14 @@ def test_the_jax_non_private_gradient_accumulated_over_micro_batches_is_the_batc
     # a wrong average (sum of chunk means, not their mean) is caught
     chunked = bench.accumulated_value_and_grad(mean_loss, params, images, labels, 4)
     assert not np.allclose(chunked[0] * 3, whole[0])
+
+
+def test_cpu_facts_name_the_vector_extensions():
+    """Two hosts with the same model name ran matrix products at different speeds: the report
+    names the CPU's vector extensions."""
+    info = ("processor\t: 0\nmodel name\t: Intel(R) Xeon(R) Processor\n"
+            "flags\t\t: fpu sse2 avx avx2 fma avx512f avx512_bf16 amx_tile\n"
+            "processor\t: 1\nmodel name\t: other\nflags\t\t: fpu\n")
+    assert bench.cpu_facts(info) == ("Intel(R) Xeon(R) Processor",
+                                     ["avx2", "fma", "avx512f", "avx512_bf16", "amx_tile"])
+    assert bench.cpu_facts("model name\t: old\nflags\t\t: sse2 avx\n") == ("old", [])

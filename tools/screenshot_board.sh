@@ -19,7 +19,9 @@ profile="$(mktemp -d)"
 trap 'rm -rf "$profile"' EXIT
 # no background networking: this machine has no internet, and Chromium's connection attempts
 # otherwise slow the start down
-chromium --headless --no-sandbox --disable-gpu --hide-scrollbars --window-size=1800,2400 \
+# 3000 px tall: the four groups' verdict tables come first, and the first group's two plots
+# (accuracy vs epsilon, expected best vs trials) must be in the picture below them
+chromium --headless --no-sandbox --disable-gpu --hide-scrollbars --window-size=1800,3000 \
   --no-first-run --disable-background-networking --disable-component-update --disable-sync \
   --user-data-dir="$profile" --screenshot="$(realpath -m "$out")" "$page" 2>/dev/null
 [ -s "$out" ] || { echo "chromium wrote no screenshot to $out" >&2; exit 1; }

@@ -875,6 +875,11 @@ def cpu_facts(cpuinfo: str) -> tuple:
     return cpu, [x for x in VECTOR_EXTENSIONS if x in flags]
 
 
+def _extensions_text(machine: dict) -> str:
+    found = machine.get("cpu_extensions") or []
+    return ", ".join(found) if found else "none of " + ", ".join(VECTOR_EXTENSIONS)
+
+
 def machine_facts() -> dict:
     cpu, extensions = None, []
     try:
@@ -1004,8 +1009,7 @@ def render(report: dict) -> str:
               f"Started {report['started']}, finished {report.get('finished') or '(running)'}; "
               f"wall time {_fmt(report.get('wall_s'), 0)} s.", "",
               "## Machine", "",
-              f"- CPU: {m['cpu_model']}; vector extensions: "
-              f"{', '.join(m.get('cpu_extensions') or []) or 'none of ' + ', '.join(VECTOR_EXTENSIONS)}",
+              f"- CPU: {m['cpu_model']}; vector extensions: {_extensions_text(m)}",
               f"- cores: {m['cores']} (available to this process: {m['cores_available']})",
               f"- RAM: {_fmt(m['ram_gib'])} GiB",
               f"- platform: {m['platform']}",

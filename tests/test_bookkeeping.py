@@ -78,4 +78,3 @@ def test_the_compiler_picks_bookkeeping_only_where_it_reproduces_the_chain():
     normed = models.make_model(10, name="tanh_cnn", group_norm_groups=4)  # GroupNorm: not taps
     assert _compile(_chain("dpsgd"), normed, True, (28, 28, 1)).plan.strategy == "materialized"
     assert _compile(_chain("dpsgd"), model, True, shape).plan.strategy == "bookkeeping"
-

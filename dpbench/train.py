@@ -18,8 +18,8 @@ import jax.numpy as jnp
 import numpy as np
 from absl import logging
 
-from dpbench import (accounting, checkpoint, compiler, data, models, records, sampling,
-                     sharding)
+from dpbench import (accounting, checkpoint, compiler, data, models, numerics, records,
+                     sampling, sharding)
 from dpbench.config import TrainConfig, pipeline_stages  # noqa: F401  (train.TrainConfig too)
 from dpbench.stages.base import Stage
 
@@ -512,6 +512,8 @@ def _run_record(loop: _Loop, state, progress: Progress, pipeline_name: str, gin_
         best_step=best["step"], test_accuracy=test_acc,
         wall_time_s=time.time() - loop.wall_start,
         final_params_sha256=records.tree_sha256(state.params),
+        final_params_fingerprint=numerics.params_fingerprint(state.params),
+        host_numerics=numerics.host_numerics(),
         resumed_from_steps=progress.resumed_from, nonfinite_examples=progress.nonfinite_total,
         fidelity=_fidelity_summary(config, progress.fidelity),
         dp_event=accounting.event_to_json(compiled.run_event(end_step)),

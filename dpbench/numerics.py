@@ -1,0 +1,137 @@
+"""Which host numerics produced a number, and how to compare numbers across hosts.
+
+XLA's CPU code (LLVM for the host's ISA, YNNPACK's run-time dispatched dot kernels), numpy's
+run-time SIMD dispatch (dp_accounting's PLD arithmetic) and OpenBLAS round differently on
+different x86-64 CPUs. A run is bit-reproducible only on a host with the same ``host_numerics()``;
+across hosts, ``params_fingerprint`` summarizes a trained model compactly enough to store and
+``fingerprint_distance`` says how far two such summaries are, in units of the parameters' norm.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from importlib import metadata
+from pathlib import Path
+
+import numpy as np
+
+# CPU flags that change the code XLA, YNNPACK, numpy or OpenBLAS run (the vector ISA and the
+# matrix units); the vendor, family and model name the LLVM tuning target on top of them.
+_ISA_FLAG_PREFIXES = ("avx", "fma", "f16c", "amx", "sse4", "bmi")
+_ENV_KNOBS = ("XLA_FLAGS", "NPY_DISABLE_CPU_FEATURES", "NPY_ENABLE_CPU_FEATURES",
+              "OPENBLAS_CORETYPE", "OPENBLAS_NUM_THREADS")
+PROJECTIONS = 8  # random directions in the fingerprint (numpy PCG64: the same on every host)
+
+
+def _cpuinfo(path: Path = Path("/proc/cpuinfo")) -> dict:
+    """The first processor's vendor, family, model and ISA flags ({} where unreadable)."""
+    try:
+        text = path.read_text()
+    except OSError:
+        return {}
+    fields = {}
+    for line in text.split("\n\n")[0].splitlines():
+        key, _, value = line.partition(":")
+        fields[key.strip()] = value.strip()
+    flags = sorted(f for f in fields.get("flags", "").split() if f.startswith(_ISA_FLAG_PREFIXES))
+    return {"vendor": fields.get("vendor_id"), "family": fields.get("cpu family"),
+            "model": fields.get("model"), "isa_flags": flags}
+
+
+def _numpy_simd() -> dict:
+    from numpy._core import _multiarray_umath as umath  # numpy 2's dispatch tables
+    enabled = [t for t in umath.__cpu_dispatch__ if umath.__cpu_features__.get(t, False)]
+    return {"baseline": list(umath.__cpu_baseline__), "dispatch_enabled": enabled}
+
+
+def _blas() -> list:
+    try:
+        import threadpoolctl
+    except ImportError:
+        return []
+    import scipy.linalg  # noqa: F401  (loads scipy's own OpenBLAS: the list must not depend on
+    #                      what the caller happened to import before)
+    return sorted(f"{i.get('internal_api')} {i.get('version')} {i.get('architecture')}"
+                  for i in threadpoolctl.threadpool_info() if i.get("user_api") == "blas")
+
+
+def host_numerics(cpuinfo: Path = Path("/proc/cpuinfo")) -> dict:
+    """Everything known to change the bits a run computes on this host's CPU: the package
+    versions that compute, the CPU (vendor, family, model, ISA flags), the core count (XLA and
+    OpenBLAS split reductions by thread), numpy's enabled SIMD targets, OpenBLAS's core type and
+    the environment knobs that override any of them. Two hosts with equal ``host_numerics`` give
+    bit-identical runs; unequal ones agree only within the measured tolerance."""
+    import jax  # imported here: only a caller that trains pays for it
+
+    versions = {}
+    for name in ("jax", "jaxlib", "numpy", "scipy", "dp-accounting"):
+        try:
+            versions[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            versions[name] = None
+    return {"versions": versions, "cpu": _cpuinfo(cpuinfo), "cores": os.cpu_count(),
+            "devices": jax.device_count(), "numpy_simd": _numpy_simd(), "blas": _blas(),
+            "env": {k: os.environ[k] for k in _ENV_KNOBS if k in os.environ}}
+
+
+def numerics_digest(numerics: dict) -> str:
+    """A short stable name for one ``host_numerics()`` value."""
+    return hashlib.sha256(json.dumps(numerics, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def params_fingerprint(tree) -> dict:
+    """A compact, host-independent summary of a pytree of parameters, in float64: the whole
+    vector's L2 norm, each leaf's L2 norm (by its jax key path) and its projections on
+    PROJECTIONS fixed Gaussian directions, scaled by 1/sqrt(size) so that each projection is
+    of the order of the parameters' RMS. Two parameter vectors p, p' give entries that differ by
+    at most about ||p - p'|| (norms) and ||p - p'|| / sqrt(size) * |N(0, 1)| (projections)."""
+    import jax
+
+    leaves = [(jax.tree_util.keystr(path), np.asarray(leaf, np.float64).ravel())
+              for path, leaf in jax.tree_util.tree_leaves_with_path(jax.device_get(tree))]
+    size = sum(leaf.size for _, leaf in leaves)
+    rng = np.random.default_rng(20261125)
+    projections = np.zeros(PROJECTIONS)
+    for _, leaf in leaves:  # the directions are drawn leaf by leaf, in the tree's order
+        projections += rng.standard_normal((PROJECTIONS, leaf.size)) @ leaf
+    flat = np.concatenate([leaf for _, leaf in leaves]) if leaves else np.zeros(0)
+    return {"size": int(size), "norm": float(np.linalg.norm(flat)),
+            "leaf_norms": {name: float(np.linalg.norm(leaf)) for name, leaf in leaves},
+            "projections": [float(v) for v in projections / np.sqrt(max(size, 1))]}
+
+
+def fingerprint_distance(got: dict, want: dict) -> float:
+    """How far two fingerprints are, relative to ``want``'s norm: the largest difference of a
+    leaf norm or of the total norm over ||want||, and of a projection over ||want|| / sqrt(size)
+    (its natural scale). About ||p - p'|| / ||p'||; inf where the trees differ in structure."""
+    if got["size"] != want["size"] or set(got["leaf_norms"]) != set(want["leaf_norms"]):
+        return float("inf")
+    scale = max(want["norm"], np.finfo(np.float64).tiny)
+    norms = [abs(got["norm"] - want["norm"])] + [
+        abs(got["leaf_norms"][k] - v) for k, v in want["leaf_norms"].items()]
+    projections = np.abs(np.subtract(got["projections"], want["projections"]))
+    return float(max(max(norms) / scale,
+                     float(np.max(projections)) * np.sqrt(want["size"]) / scale))
+
+
+def other_host_env(host: dict) -> dict:
+    """Environment variables that make this machine compute like another x86-64 host, for a CI
+    job that keeps every golden expectation host-independent: XLA's code for one ISA level
+    below this CPU's (AVX2 on an AVX-512 host, SSE4.2 on an AVX2 one) with its dots off
+    YNNPACK's run-time dispatched kernels (onto Eigen's), numpy's SIMD dispatch cut to its
+    lowest enabled target, and OpenBLAS forced to another core type."""
+    flags = set(host["cpu"].get("isa_flags", []))
+    isa = "AVX2" if "avx512f" in flags else "SSE4_2"
+    enabled = host["numpy_simd"]["dispatch_enabled"]
+    blas = " ".join(host["blas"])
+    return {"XLA_FLAGS": f"--xla_cpu_max_isa={isa} --xla_cpu_experimental_ynn_fusion_type=",
+            "NPY_DISABLE_CPU_FEATURES": " ".join(enabled[1:]),
+            "OPENBLAS_CORETYPE": "Nehalem" if "Sandybridge" in blas else "Sandybridge"}
+
+
+if __name__ == "__main__":  # tools/run_golden_other_host.sh: `eval` these exports
+    import shlex
+    for name, value in other_host_env(host_numerics()).items():
+        print(f"export {name}={shlex.quote(value)}")

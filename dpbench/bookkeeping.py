@@ -246,6 +246,12 @@ def clipped_sum(model: nn.Module, taps: tuple, params, images, labels, mask, l2_
     return {"params": grads}, diagnostics
 
 
+def per_example_squared_norms(values, b: int):
+    """Every example's squared L2 norm over EVERY leaf of a tree batched over ``b`` examples
+    (kernels and biases alike): what the transformed path clips by."""
+    return sum(jnp.sum(jnp.square(v).reshape(b, -1), axis=1) for v in jax.tree.leaves(values))
+
+
 def _transformed_sum(taps, params, inputs, deltas, losses, mask, l2_bound: float, transform,
                      elementwise: bool):
     """The per-example gradients materialized from the layer terms, ``transform``ed, clipped
@@ -263,7 +269,7 @@ def _transformed_sum(taps, params, inputs, deltas, losses, mask, l2_bound: float
                   jnp.einsum("btd,btp->bdp", a, delta).reshape((b,) + kernel_shape))
         _set(grads, t.path, {"kernel": kernel, "bias": jnp.sum(delta, axis=1)})
     values = transform({"params": grads})
-    squares = sum(jnp.sum(jnp.square(v).reshape(b, -1), axis=1) for v in jax.tree.leaves(values))
+    squares = per_example_squared_norms(values, b)
     scale, finite, diagnostics = _clip_scale(squares, losses, mask, l2_bound)
 
     def weighted(zero_bad: bool):

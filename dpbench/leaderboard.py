@@ -4,7 +4,8 @@
 [--out=leaderboard]`` reads run records only. Records live in group directories named
 ``<dataset>__<model>__eps<epsilon>__delta<delta>`` (anywhere below --records); a record that
 lacks a field, or whose dataset, model, target (epsilon, delta) differ from its group's, or whose
-reported epsilon exceeds the target, is rejected with its path.
+reported epsilon exceeds the target, or that failed or diverged (``unrankable_reason``), is
+rejected with its path.
 
 Per group and method (the record's ``pipeline`` name), configurations are the distinct settings
 apart from the seed. ``choose_configuration`` picks the one with the best mean VALIDATION
@@ -56,6 +57,29 @@ def _group_of(path: Path, root: Path):
                            "<dataset>__<model>__eps<epsilon>__delta<delta>")
 
 
+# How train.py's stop_reason of a run that finished begins (the budget stop is a finish).
+FINISHED_STOP_REASONS = ("completed all steps", "privacy budget reached")
+
+
+def unrankable_reason(record: dict) -> Optional[str]:
+    """Why the board must neither choose nor rank ``record`` (None when it may): a refit
+    without validation accuracy (the board chooses on validation), a failed or diverged run
+    (validation or test accuracy not a finite number, NaN / infinity also as the strings a run
+    record stores them as; a stop_reason that is not a finished run's)."""
+    if record["validation_accuracy"] is None:
+        return ("no validation accuracy (a dataset.validation_size = 0 refit); the board "
+                "chooses on validation, so it cannot rank this run")
+    for name in ("validation_accuracy", "test_accuracy"):
+        if tuning.finished_score(record[name]) is None:
+            return (f"{name} {record[name]!r} is not a finite number: a failed or diverged "
+                    "run is never chosen or ranked; rerun it or remove its record")
+    stop = record.get("stop_reason")
+    if stop is not None and not str(stop).startswith(FINISHED_STOP_REASONS):
+        return (f"stop_reason {stop!r} is not a finished run's: a failed or diverged run is "
+                "never chosen or ranked; rerun it or remove its record")
+    return None
+
+
 def load_records(root: Path) -> list[dict]:
     """Every run record below ``root``, validated; each gains '_path' and '_group'."""
     root = Path(root)
@@ -79,10 +103,9 @@ def load_records(root: Path) -> list[dict]:
             raise LeaderboardError(
                 f"{path}: (dataset, model, epsilon, delta) = {got} does not match its group "
                 f"{group_dir.name} = {expected}; move the record to its own group")
-        if record["validation_accuracy"] is None:
-            raise LeaderboardError(f"{path}: no validation accuracy (a dataset.validation_size "
-                                   "= 0 refit); the board chooses on validation, so it cannot "
-                                   "rank this run")
+        reason = unrankable_reason(record)
+        if reason is not None:
+            raise LeaderboardError(f"{path}: {reason}")
         if not record["epsilon"] <= record["target_epsilon"] + 1e-9:
             raise LeaderboardError(f"{path}: reported epsilon {record['epsilon']} exceeds its "
                                    f"target {record['target_epsilon']}")

@@ -275,6 +275,18 @@ def _budget_stop(compiled, budget, config: TrainConfig) -> tuple:
     return end_step, reason
 
 
+def check_ledger_epsilon(ledger: dict, step: int, epsilon_now: float) -> None:
+    """Refuses a resume (ResumeError) unless the epsilon a checkpoint's ledger says was spent
+    after ``step`` steps is the one the accountant computes for those steps now. A ledger that
+    disagrees was written under other accounting (or altered): continuing it would report an
+    epsilon that no accountant certified for this run. A ledger stores an infinite epsilon (a
+    non-private run) as the string 'inf' (records.to_json), so it is read back as a number."""
+    if not math.isclose(epsilon_now, float(ledger["epsilon_spent"]), rel_tol=1e-9):
+        raise ResumeError(f"the ledger of step {step} says epsilon {ledger['epsilon_spent']} "
+                          f"was spent, the accountant now says {epsilon_now}; pick a new "
+                          "--workdir")
+
+
 def _restore_or_init(run: Run, ckpts, settings: dict, workdir: Path, config: TrainConfig):
     """(state, progress): a fresh start, or the newest intact checkpoint of this workdir
     (same settings required, its epsilon re-checked against the accountant)."""
@@ -299,10 +311,7 @@ def _restore_or_init(run: Run, ckpts, settings: dict, workdir: Path, config: Tra
         # A release run never wrote its key: the rest of the run gets fresh OS randomness.
         state = state._replace(key=jax.device_put(run.run_key, replicated))
     epsilon_then = compiled.epsilon_after(latest)
-    if not math.isclose(epsilon_then, ledger["epsilon_spent"], rel_tol=1e-9):
-        raise ResumeError(f"the ledger of step {latest} says epsilon {ledger['epsilon_spent']} "
-                          f"was spent, the accountant now says {epsilon_then}; pick a new "
-                          "--workdir")
+    check_ledger_epsilon(ledger, latest, epsilon_then)
     progress = Progress(
         best={"validation_accuracy": ledger["best_validation_accuracy"],
               "step": ledger["best_step"], "params": checkpoint.to_host(restored.best_params)},
@@ -341,6 +350,13 @@ class _Loop(NamedTuple):
     wall_start: float
 
 
+def selection_accuracy(eval_fn, params, dataset: data.Dataset, batch_size: int) -> float:
+    """The score that chooses the reported model among a run's evaluated steps (its best
+    step): accuracy on the validation split, carved from the training set. Never the test
+    split: test accuracy is read once, on the chosen params, for the run record."""
+    return _evaluate(eval_fn, params, dataset.validation, batch_size)
+
+
 def _maybe_evaluate(loop: _Loop, state, progress: Progress, done: int, end_step: int) -> None:
     """Every eval interval and at the end: validation accuracy; the best params are kept."""
     eval_every = loop.config.eval_every_steps or max(int(round(loop.run.steps_per_epoch)), 1)
@@ -352,8 +368,8 @@ def _maybe_evaluate(loop: _Loop, state, progress: Progress, done: int, end_step:
             progress.best = {"validation_accuracy": None, "step": done,
                              "params": checkpoint.to_host(params)}
         return
-    val_acc = _evaluate(loop.eval_fn, params, loop.run.dataset.validation,
-                        loop.config.eval_batch_size)
+    val_acc = selection_accuracy(loop.eval_fn, params, loop.run.dataset,
+                                 loop.config.eval_batch_size)
     logging.info("step %d  validation accuracy %.4f", done, val_acc)
     records.append_metrics(loop.workdir, dict(step=done, validation_accuracy=val_acc))
     if val_acc > progress.best["validation_accuracy"]:

@@ -246,12 +246,23 @@ def search_epsilon(trial0_event: dp_event.DpEvent, support_events, *, mean_rando
     return float(epsilon)
 
 
+def finished_score(value):
+    """A trial's validation accuracy as a number that may win, or None for a trial that must
+    never win: a diverged run (None), or one whose accuracy is not a finite number (NaN or
+    infinity, also as the strings "nan" / "inf" a run record stores them as)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    return float(value) if math.isfinite(value) else None
+
+
 def choose_trial(validation: dict) -> int:
-    """The search's winner: trial -> validation accuracy (None for a diverged run, which never
-    wins); the highest wins, ties to the smaller trial number. Test accuracy is never read."""
-    finished = {t: v for t, v in validation.items() if v is not None}
+    """The search's winner: trial -> validation accuracy (None for a diverged run); the highest
+    finite accuracy wins, ties to the smaller trial number. A diverged trial, or one whose
+    accuracy is not a finite number, never wins. Test accuracy is never read."""
+    finished = {t: s for t, s in ((t, finished_score(v)) for t, v in validation.items())
+                if s is not None}
     if not finished:
-        raise ValueError("every trial of the search diverged: there is no winner")
+        raise ValueError("every trial of the search diverged or failed: there is no winner")
     return min(finished, key=lambda t: (-finished[t], t))
 
 

@@ -1,12 +1,15 @@
 """Book-keeping gives the same clipped sum as materialized per-example gradients, and the
 compiler picks it exactly where it reproduces the stage chain."""
 
+import functools
+
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dpbench import accounting, compiler, models, sampling, stages
+from dpbench import accounting, bookkeeping, compiler, models, sampling, stages
 from tests.conftest import make_batch
 
 MICRO = 8
@@ -78,3 +81,131 @@ def test_the_compiler_picks_bookkeeping_only_where_it_reproduces_the_chain():
     normed = models.make_model(10, name="tanh_cnn", group_norm_groups=4)  # GroupNorm: not taps
     assert _compile(_chain("dpsgd"), normed, True, (28, 28, 1)).plan.strategy == "materialized"
     assert _compile(_chain("dpsgd"), model, True, shape).plan.strategy == "bookkeeping"
+
+
+class _ThreePathNet(nn.Module):
+    """Tap layers whose shapes force each of book-keeping's per-layer norm paths: a
+    convolution over many positions (materialized a^T delta), one over few positions and many
+    channels (Gram / ghost products), and a dense layer (positions == 1)."""
+
+    @nn.compact
+    def __call__(self, x):
+        x = jnp.tanh(models.PatchConv(16, (3, 3), name="Conv_many_positions")(x))  # T 64, d 18
+        x = jnp.tanh(models.PatchConv(32, (4, 4), (4, 4), "VALID",
+                                      name="Conv_few_positions")(x))            # T 4, d 256
+        return nn.Dense(4, name="Dense")(x.reshape(x.shape[:-3] + (-1,)))
+
+
+def _path(tap, masked: bool, transformed: bool) -> str:
+    """Which of book-keeping's routes computes this layer's per-example norm (bookkeeping.py:
+    _layer_terms for a public mask or none, per_example_squared_norms for a transform)."""
+    if transformed:
+        return "transformed"
+    if tap.positions == 1:
+        return "dense, masked" if masked else "dense"
+    return "materialized" if masked or not tap.ghost_is_cheaper else "ghost (Gram)"
+
+
+def _odd_cubic(tree):
+    return jax.tree.map(lambda v: 2.0 * v + 50.0 * v ** 3, tree)  # elementwise, like Nasr's
+
+
+NORM_CASES = {  # case -> (masked, transform, elementwise, the paths it must exercise)
+    "unmasked": (False, None, False, {"dense", "ghost (Gram)", "materialized"}),
+    "masked": (True, None, False, {"dense, masked", "materialized"}),
+    "transformed": (False, _odd_cubic, False, {"transformed"}),
+    "transformed_elementwise": (False, _odd_cubic, True, {"transformed"}),
+}
+
+
+def _random_mask(rng, shape):
+    """A public 0/1 mask that keeps at least one coordinate (a bias mask too)."""
+    mask = rng.integers(0, 2, shape).astype(np.float32)
+    mask.flat[0] = 1.0
+    return jnp.asarray(mask)
+
+
+MODEL, SHAPE = _ThreePathNet(), (8, 8, 2)
+_init_params = jax.jit(MODEL.init)
+
+
+@functools.partial(jax.jit, static_argnames="transform")
+def _reference_gradients(params, images, labels, masks, transform):
+    """vmap(grad) per-example gradients, after the public mask or the transform."""
+    grads = jax.vmap(jax.grad(models.cross_entropy_loss(MODEL)), in_axes=(None, 0, 0))(
+        params, images, labels)
+    if masks is not None:
+        grads = jax.tree.map(jnp.multiply, grads, masks)
+    return grads if transform is None else transform(grads)
+
+
+def _bias_shares(grads, taps) -> dict:
+    """Per tap layer, the smallest share over examples of its bias in the squared norm."""
+    total = sum(np.sum(np.square(v).reshape(len(v), -1), 1) for v in jax.tree.leaves(grads))
+    return {t.path: float(np.min(np.sum(np.square(
+        grads["params"][t.path[0]]["bias"]), 1) / total)) for t in taps}
+
+
+def check_per_example_norms_include_every_parameter(case: str):
+    """Book-keeping's clipped sum with one example at a time (one-hot masks) and a bound far
+    below every gradient's norm is C h(g_i) / n_i, n_i the norm it computed: n_i must be the
+    norm of the vmap(grad) gradient h(g_i) over every parameter, biases included."""
+    masked, transform, elementwise, paths = NORM_CASES[case]
+    rng = np.random.default_rng()
+    model, shape, batch, bound = MODEL, SHAPE, 6, 1e-4
+    params = _init_params(jax.random.key(int(rng.integers(1 << 30))), jnp.zeros((1,) + shape))
+    images = jnp.asarray(rng.normal(size=(batch,) + shape) * 0.1, jnp.float32)
+    labels = jnp.asarray(rng.integers(0, 4, batch), jnp.int32)
+    masks = jax.tree.map(lambda v: _random_mask(rng, v.shape), params) if masked else None
+    taps = bookkeeping.discover_taps(model, params, shape)
+    assert {_path(t, masked, transform is not None) for t in taps} == paths
+    want = jax.tree.map(lambda v: np.asarray(v, np.float64),
+                        _reference_gradients(params, images, labels, masks, transform))
+    shares = _bias_shares(want, taps)
+    assert min(shares.values()) > 5e-4, shares  # a dropped bias moves n_i by > 25 x rtol
+    one_at_a_time = jax.jit(jax.vmap(lambda onehot: bookkeeping.clipped_sum(
+        model, taps, params, images, labels, onehot, bound, masks=masks, transform=transform,
+        elementwise=elementwise)[0]))
+    got = one_at_a_time(jnp.eye(batch, dtype=bool))
+    flat = lambda tree: np.concatenate(  # noqa: E731
+        [np.asarray(v, np.float64).reshape(batch, -1) for v in jax.tree.leaves(tree)], axis=1)
+    got_flat, want_flat = flat(got), flat(want)
+    want_norms = np.linalg.norm(want_flat, axis=1)
+    assert np.all(want_norms > 100 * bound)  # every example is clipped
+    got_norms = bound * want_norms / np.linalg.norm(got_flat, axis=1)  # the n_i it divided by
+    np.testing.assert_allclose(got_norms, want_norms, rtol=1e-5,  # observed: ~1e-7
+                               err_msg="the norms book-keeping clipped by are not vmap(grad)'s")
+    cosines = np.sum(got_flat * want_flat, 1) / (np.linalg.norm(got_flat, axis=1) * want_norms)
+    assert np.all(cosines > 1 - 1e-6)
+
+
+_REAL_LAYER_TERMS = bookkeeping._layer_terms
+_REAL_SQUARED_NORMS = bookkeeping.per_example_squared_norms
+
+
+def _layer_terms_without_the_bias(a, delta, kernel_mask, bias_mask, tap):
+    """BROKEN twin of bookkeeping._layer_terms: the layer's per-example norm leaves its bias
+    gradient out (on every path: dense, Gram, materialized)."""
+    squares, kernel, bias = _REAL_LAYER_TERMS(a, delta, kernel_mask, bias_mask, tap)
+    return squares - jnp.sum(jnp.square(bias), axis=1), kernel, bias
+
+
+def _squared_norms_of_kernels_only(values, b):
+    """BROKEN twin of bookkeeping.per_example_squared_norms: batched biases (ndim 2) left out."""
+    return _REAL_SQUARED_NORMS([v for v in jax.tree.leaves(values) if v.ndim > 2], b)
+
+
+@pytest.mark.parametrize("norms", ["bookkeeping", "twin_without_biases"])
+@pytest.mark.parametrize("case", sorted(NORM_CASES))
+def test_per_example_norms_include_the_biases_on_every_path(case, norms, monkeypatch):
+    """Guarantee: book-keeping clips each example by the norm of its WHOLE gradient (every
+    kernel and every bias) on every path (dense, Gram/ghost, materialized, masked,
+    transformed), as the vmap(grad) gradients give it. A twin whose norm drops the bias terms
+    must fail the same check."""
+    if norms == "bookkeeping":
+        check_per_example_norms_include_every_parameter(case)
+        return
+    monkeypatch.setattr(bookkeeping, "_layer_terms", _layer_terms_without_the_bias)
+    monkeypatch.setattr(bookkeeping, "per_example_squared_norms", _squared_norms_of_kernels_only)
+    with pytest.raises(AssertionError, match="not vmap\\(grad\\)'s"):
+        check_per_example_norms_include_every_parameter(case)

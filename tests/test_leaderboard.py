@@ -1,6 +1,7 @@
 """The leaderboard: validation-based choice, byte-identical regeneration, rejected records."""
 
 import json
+import math
 import shutil
 
 import numpy as np
@@ -290,3 +291,51 @@ def test_the_runs_own_step_ratio_is_per_example_when_batch_sizes_differ(tmp_path
     assert rows["rs"]["step_ratio"] == pytest.approx(1.2)
     assert rows["rs"]["step_source"] == "runs"
     assert "| 1.20x† |" in (tmp_path / "board" / "README.md").read_text()
+
+
+def admits_all_but_a_refit(record):
+    """Broken twin of leaderboard.unrankable_reason: refuses only a refit, so a failed run's
+    record reaches the selection, which takes the best validation accuracy."""
+    return "refit" if record["validation_accuracy"] is None else None
+
+
+# How a failed or diverged run's record can look; each also has the group's best validation
+# accuracy (0.95; NaN compares as no worse than anything, and its record is read first).
+FAILED_RUNS = {
+    "stop_reason diverged": dict(stop_reason="training diverged at step 3 (train loss nan)"),
+    "test accuracy nan": dict(test_accuracy="nan"),  # as records.to_json writes a NaN
+    "validation accuracy NaN": dict(validation_accuracy=math.nan),  # JSON's NaN
+    "validation accuracy inf": dict(validation_accuracy=math.inf),
+}
+
+
+def check_a_failed_run_is_never_chosen_or_ranked(root, failed_path, out_dir):
+    """The board refuses the failed run's record naming its path, or ranks without it: its
+    configuration is not the one chosen for its method."""
+    try:
+        table = leaderboard.summarize(leaderboard.load_records(root), {}, out_dir)
+    except leaderboard.LeaderboardError as error:
+        assert str(failed_path) in str(error), f"refused, but not naming {failed_path}"
+        return
+    failed_config = leaderboard.config_key(json.loads(failed_path.read_text()))
+    chosen = {r["method"]: r for r in table[GROUP]}["rs"]
+    assert chosen["config"] != failed_config, f"the failed run {failed_path} was chosen"
+
+
+@pytest.mark.parametrize("failure", FAILED_RUNS)
+@pytest.mark.parametrize("unrankable", [leaderboard.unrankable_reason, admits_all_but_a_refit],
+                         ids=["unrankable_reason", "broken_twin_admits_failed_runs"])
+def test_a_failed_or_diverged_run_is_never_chosen_or_ranked(records, tmp_path, monkeypatch,
+                                                            unrankable, failure):
+    """Guarantee 8 (the board): a record of a failed or diverged run (non-finite validation
+    or test accuracy, a stop_reason that is not a finished run's) with the highest validation
+    accuracy of its method is neither chosen nor ranked; admitting it, the selection takes the
+    max and ranks it."""
+    record = dict(fake_record("rs", 0, 0.95, 0.90, lr=3.0), **FAILED_RUNS[failure])
+    failed_path = write(records, GROUP, "rs-0-failed-s0", record)  # sorts first in its group
+    monkeypatch.setattr(leaderboard, "unrankable_reason", unrankable)
+    if unrankable is admits_all_but_a_refit:
+        with pytest.raises(AssertionError):
+            check_a_failed_run_is_never_chosen_or_ranked(records, failed_path, tmp_path)
+    else:
+        check_a_failed_run_is_never_chosen_or_ranked(records, failed_path, tmp_path)

@@ -139,3 +139,44 @@ def test_expected_best_is_the_bootstrap_expectation_of_the_maximum():
         assert tuning.expected_best(scores, n) == pytest.approx(brute, rel=1e-12)
     assert tuning.expected_best(scores, 1) == pytest.approx(scores.mean())
     assert tuning.expected_best(scores, 200) == pytest.approx(scores.max(), abs=1e-6)
+
+
+def choose_by_max(validation: dict) -> int:
+    """Broken twin of tuning.choose_trial: the largest number wins (it skips only the trials
+    that left no number), whether or not that number is a finite accuracy."""
+    numbers = {t: v for t, v in validation.items() if v is not None}
+    return max(numbers, key=numbers.get)
+
+
+# trial -> validation accuracy (None: diverged), and the trial that must win. In each, a failed
+# trial holds the 'highest' number: NaN (which no comparison moves past) or infinity.
+SEARCHES_WITH_A_FAILED_TRIAL = {
+    "nan": ({0: math.nan, 1: 0.84, 2: None, 3: 0.86}, 3),
+    "inf": ({0: 0.80, 1: math.inf, 2: 0.85, 3: None}, 2),
+}
+
+
+def check_the_winner_is_the_best_finished_trial(select, validation: dict, winner: int):
+    chosen = select(validation)
+    assert chosen == winner, (f"trial {chosen} (validation {validation[chosen]!r}) won; the "
+                              f"best finished trial is {winner}")
+
+
+@pytest.mark.parametrize("search", SEARCHES_WITH_A_FAILED_TRIAL)
+@pytest.mark.parametrize("select", [tuning.choose_trial, choose_by_max],
+                         ids=["choose_trial", "broken_twin_max"])
+def test_a_diverged_or_failed_trial_never_wins_the_search(select, search):
+    """Guarantee 8 (the search: the sweep's winners_of and the board's search summary both
+    choose with tuning.choose_trial): a diverged trial, or one whose accuracy is not a finite
+    number, never wins, even with the highest number; a selector that takes the max fails."""
+    validation, winner = SEARCHES_WITH_A_FAILED_TRIAL[search]
+    if select is choose_by_max:
+        with pytest.raises(AssertionError):
+            check_the_winner_is_the_best_finished_trial(select, validation, winner)
+        return
+    check_the_winner_is_the_best_finished_trial(select, validation, winner)
+    # NaN and infinity as a run record stores them (records.to_json writes strings)
+    check_the_winner_is_the_best_finished_trial(select, {0: 0.80, 1: "nan", 2: 0.82,
+                                                         3: "inf"}, 2)
+    with pytest.raises(ValueError, match="diverged or failed"):
+        select({0: None, 1: math.nan, 2: "inf"})

@@ -145,6 +145,12 @@ def orthonormality_error(basis):
     return (off + rounding) * (1 + 4 * _gamma(k * k + 2))
 
 
+def basis_orthonormality_error(basis: dict):
+    """The eps that enters the residual bound (``residual_sq_upper``) for a basis with one block
+    per parameter group: B B^T is block-diagonal, so ||B B^T - I|| is the largest block's."""
+    return jnp.max(jnp.stack([orthonormality_error(b) for b in basis.values()]))
+
+
 def residual_sq_upper(a, b, k: int, p: int, p_max: int, eps):
     """A rigorous upper bound on ||v - B^T w||^2 from float32 a = fl(||v||^2) (p coordinates)
     and b = fl(||w||^2) (k coordinates), w = fl(B v), ||B B^T - I|| <= eps, groups of at most
@@ -254,8 +260,7 @@ def embed_and_clip(num_basis: int = 200, num_anchors: int = 512, embedding_bound
         def begin_step(state, ctx):
             basis = anchor_basis(state["anchors"], ctx, ks, info.num_classes, power_iterations,
                                  anchor_chunk)
-            eps = jnp.max(jnp.stack([orthonormality_error(b) for b in basis.values()]))
-            return dict(state, basis=basis, orth_error=eps)
+            return dict(state, basis=basis, orth_error=basis_orthonormality_error(basis))
 
         def apply(grads, state, ctx):
             del ctx

@@ -86,6 +86,15 @@ def index_theta(eps_group: Fraction, m: int, group_size: int) -> Fraction:
     return Fraction(eps_group) / sensitivity if sensitivity else Fraction(0)
 
 
+def group_index_law(eps_step, groups: int, m: int, group_size: int) -> exact.MallowsDistance:
+    """The exact swap-count law of ONE group's index release in a step whose index release
+    spends ``eps_step`` (what the ledger charges per step): the G groups of a step compose to
+    eps_step, so each group is eps_group = eps_step / G -DP, with Mallows theta = eps_group / s1
+    (``index_theta``), all in exact rational arithmetic."""
+    return exact.MallowsDistance(group_size, m, index_theta(Fraction(eps_step) / groups, m,
+                                                            group_size))
+
+
 def mallows_flip(reference, distance, priority):
     """Per row, flips ``distance[g]`` ones of the 0/1 ``reference`` to zero and as many zeros to
     one: those of smallest ``priority`` within each class. With ``priority`` a uniformly random
@@ -148,9 +157,7 @@ def gip(group_size: int = 256, k_start: float = 1.0, k_end: float = 0.1,
             k = float(keep_fraction(step, total, k_start, k_end, schedule, xp=np))
             m = int(np.round(k * group_size))
             if m not in laws:
-                # The G groups of a step compose to eps_step: eps_group = eps_step / G exactly.
-                laws[m] = exact.MallowsDistance(group_size, m, index_theta(
-                    Fraction(eps_step) / groups, m, group_size))
+                laws[m] = group_index_law(eps_step, groups, m, group_size)
             distance = np.array([laws[m].sample(rng) for _ in range(groups)], np.int32)
             priority = rng.permuted(np.tile(np.arange(group_size, dtype=np.int32),
                                             (groups, 1)), axis=1)

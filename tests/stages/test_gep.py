@@ -191,3 +191,103 @@ def test_random_start_is_independent_fair_signs():
         assert abs(np.mean(a * b)) < five_sigma(a.size)
     other = np.asarray(gep.random_start(jax.random.fold_in(key, 1), k, p))
     assert abs(np.mean(x * other)) < five_sigma(x.size)
+
+
+GROUP_SHAPES = {"Dense_0": {"kernel": (20, 8), "bias": (8,)},  # two parameter groups
+                "Dense_1": {"kernel": (8, 4), "bias": (4,)}}
+
+
+def _perturbed_bases(rng, rows: dict, perturbation: float) -> dict:
+    """Per group, orthonormal rows moved off orthonormality by a random perturbation (float32)."""
+    out = {}
+    for g, k in rows.items():
+        p = sum(int(np.prod(s)) for s in GROUP_SHAPES[g].values())
+        q, _ = np.linalg.qr(rng.normal(size=(p, k)))
+        out[g] = jnp.asarray(q.T + perturbation * rng.normal(size=(k, p)) / np.sqrt(p),
+                             jnp.float32)
+    return out
+
+
+def _adversarial_gradients(rng, bases: dict, n: int):
+    """Per example and group, v_g = s_g B_g^T u_g with u_g the top eigenvector of B_g B_g^T
+    (eigenvalue lambda > 1), s_g log-uniform over 1e-2..1e3, plus a little noise: then
+    ||v||^2 - ||B v||^2 < 0 while the true residual is s sqrt(lambda) (lambda - 1) per group,
+    so a bound without the orthonormality error clips nothing. Flat vectors per group."""
+    out = {g: [] for g in bases}
+    for g, basis in bases.items():
+        b64 = np.asarray(basis, np.float64)
+        _, vectors = np.linalg.eigh(b64 @ b64.T)
+        top = b64.T @ vectors[:, -1]
+        for _ in range(n):
+            scale = 10.0 ** rng.uniform(-2, 3)
+            out[g].append(scale * (top + 1e-3 * rng.normal(size=top.shape)))
+    return {g: np.asarray(v, np.float32) for g, v in out.items()}
+
+
+def _as_params(flat: dict):
+    """Flat per-group vectors (leaves in tree order, as gep._flat) -> a batched params tree."""
+    tree = {}
+    for g, vectors in flat.items():
+        tree[g], start = {}, 0
+        for name in sorted(GROUP_SHAPES[g]):  # jax.tree.leaves order: bias, then kernel
+            shape = GROUP_SHAPES[g][name]
+            size = int(np.prod(shape))
+            tree[g][name] = jnp.asarray(vectors[:, start:start + size].reshape((-1,) + shape))
+            start += size
+    return {"params": tree}
+
+
+def check_released_parts_stay_within_the_declared_bounds(embed_one):
+    """``embed_one`` (gep.embed_and_clip_one's signature) on adversarial gradients and a basis
+    that is NOT orthonormal, with the stage's own orthonormality error: removing any one
+    example from the batch moves the released embedding sum and the released residual sum
+    (finish_residual's linear map, here in exact float64) by at most the declared bound of
+    each part (the stage's l2_bound: S1 and S2 in parameter units)."""
+    s1, s2 = 0.1, 0.02
+    stage = stages.gep.embed_and_clip(embedding_bound=s1, residual_bound=s2)
+    assert stage.parts == 2 and stage.l2_bound == 1.0
+    rng = np.random.default_rng()
+    bases = _perturbed_bases(rng, {"Dense_0": 6, "Dense_1": 3}, perturbation=0.1)
+    eps = gep.basis_orthonormality_error(bases)
+    assert float(eps) > 1e-2  # far from orthonormal: eps is what keeps the bound rigorous
+    flat = _adversarial_gradients(rng, bases, n=48)
+    raw = np.sqrt(sum(np.sum(np.square(v - (v @ b.T) @ b), 1) for v, b in (
+        (flat[g].astype(np.float64), np.asarray(bases[g], np.float64)) for g in bases)))
+    assert np.max(raw) > 100 * s2  # not vacuous: unclipped residuals far above S2
+    out = jax.jit(jax.vmap(lambda grads: embed_one(grads, bases, eps, s1, s2, False)))(
+        _as_params(flat))
+    embedding_moves = np.linalg.norm(np.asarray(out["w"], np.float64), axis=1)
+    assert np.max(embedding_moves) <= stage.l2_bound * (1 + 1e-6)
+    residual_sq = 0.0
+    for g, basis in bases.items():  # one example's part of sum c (v - B^T w) / S2, exactly
+        rv = np.concatenate([np.asarray(x, np.float64).reshape(len(x), -1)
+                             for x in jax.tree.leaves(out["rv"][g])], axis=1)
+        rw = np.asarray(out["rw"][g], np.float64)
+        residual_sq = residual_sq + np.sum(np.square(rv - rw @ np.asarray(basis, np.float64)),
+                                           axis=1)
+    worst = float(np.sqrt(np.max(residual_sq)))
+    assert worst <= stage.l2_bound * (1 + 1e-6), \
+        f"one example moves the released residual sum by {worst} > {stage.l2_bound}"
+
+
+def _embed_and_clip_ignoring_the_orthonormality_error(grads, basis, eps, embedding_bound,
+                                                       residual_bound, biased):
+    """BROKEN twin of gep.embed_and_clip_one: the residual bound as if the basis were exactly
+    orthonormal (eps = 0), i.e. ||v||^2 - ||w||^2."""
+    return gep.embed_and_clip_one(grads, basis, jnp.zeros_like(eps), embedding_bound,
+                                  residual_bound, biased)
+
+
+@pytest.mark.parametrize("embed_one", [gep.embed_and_clip_one,
+                                       _embed_and_clip_ignoring_the_orthonormality_error],
+                         ids=["gep", "twin_ignoring_orthonormality_error"])
+def test_residual_bound_holds_for_a_non_orthonormal_basis(embed_one):
+    """Guarantee: GEP's residual clip stays rigorous when the basis is not orthonormal (its
+    orthonormality error enters the bound): adversarial gradients along the top eigenvector
+    of B B^T move neither released part by more than its declared bound. A twin that ignores
+    the error lets them through unclipped."""
+    if embed_one is gep.embed_and_clip_one:
+        check_released_parts_stay_within_the_declared_bounds(embed_one)
+        return
+    with pytest.raises(AssertionError, match="moves the released residual sum"):
+        check_released_parts_stay_within_the_declared_bounds(embed_one)

@@ -1,9 +1,13 @@
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import scipy.stats
+from dp_accounting import dp_event
 
-from dpbench import stages
+from dpbench import compiler, sampling, stages
 from tests.conftest import compile_small, made, make_batch, random_data
 
 
@@ -141,3 +145,92 @@ def test_dp_snip_released_sum_is_the_sum_of_clipped_connection_scores():
     got = state.stage_states[1]["mask"]
     for w, g in zip(jax.tree.leaves(want), jax.tree.leaves(got)):
         assert np.mean(np.asarray(w) == np.asarray(g)) > 0.99  # float ties at the threshold
+
+
+def _ledger_noise_multiplier(event) -> float:
+    """The Gaussian noise multiplier of a sampled-Gaussian DpEvent (what the accountant reads)."""
+    if isinstance(event, dp_event.TruncatedSubsampledGaussianDpEvent):
+        return event.noise_multiplier
+    assert isinstance(event, dp_event.PoissonSampledDpEvent)
+    return event.event.noise_multiplier
+
+
+@pytest.fixture(scope="module")
+def calibrated_snip():
+    """A DP-SNIP pipeline compiled once with its noise calibrated to the budget (so the release's
+    sigma differs from training's), at a fresh random score clip bound far from 1 (where a
+    forgotten sensitivity would not show): (compiled, init_params, loss_fn)."""
+    l2_bound = float(np.random.default_rng().uniform(0.05, 0.5))
+    pipeline = _snip_pipeline()
+    pipeline[1] = stages.prune.dp_snip(sparsity=0.5, l2_bound=l2_bound, epsilon_fraction=0.2)
+    compiled, init_params, loss_fn = compile_small(pipeline, n=64, batch_size=16, micro=8,
+                                                   model_name="mlp")
+    assert compiled.init_noise_multiplier != compiled.noise_multiplier
+    return compiled, init_params, loss_fn
+
+
+def check_one_off_release_noise_matches_the_ledger(release_fn, snip, releases=64):
+    """``release_fn`` (compiler._one_off_release's signature) releases DP-SNIP's scores on one
+    sampler batch of fresh data ``releases`` times with fresh keys; the clean sum is the same
+    every time, so the spread across releases is the noise alone. Its stddev must be the
+    ledger's noise multiplier times the ledger's L2 sensitivity (a two-sided chi-square test on
+    ~70,000 degrees of freedom: it tells 0.95x apart)."""
+    compiled, init_params, loss_fn = snip
+    rng = np.random.default_rng()
+    (line,) = compiled.accounting.pre_mechanisms
+    assert line.details["l2_sensitivity"] == compiled.stages[1].one_off_release.l2_bound
+    declared = _ledger_noise_multiplier(line.event) * line.details["l2_sensitivity"]
+    images, labels = random_data(64, seed=int(rng.integers(1 << 30)))
+    b = compiled.sampler.sample(sampling.PRE_TRAINING_STEP)
+    batch = make_batch(compiled, images, labels, b.indices, b.mask, step=None)
+    params = init_params(jax.random.key(int(rng.integers(1 << 30))))
+    release = jax.jit(jax.vmap(lambda key: release_fn(
+        compiled.plan, compiled.accounting, loss_fn, 1, params, key, batch)))
+    out = release(jax.random.split(jax.random.key(int(rng.integers(1 << 30))), releases))
+    flat = np.concatenate([np.asarray(v, np.float64).reshape(releases, -1)
+                           for v in jax.tree.leaves(out)], axis=1)
+    spread = flat - flat.mean(axis=0)
+    dof = flat.shape[1] * (releases - 1)
+    assert dof > 50_000
+    statistic = float(np.sum(np.square(spread))) / declared ** 2  # chi2(dof) under H0
+    cdf = scipy.stats.chi2.cdf(statistic, dof)
+    measured = declared * np.sqrt(statistic / dof)
+    assert 2 * min(cdf, 1 - cdf) > 1e-6, \
+        f"released noise stddev {measured:.6g}, the ledger declares {declared:.6g}"
+
+
+def _release_with_sigma_only(plan, acct, loss_fn, i, params, key, batch):
+    """BROKEN twin of compiler._one_off_release: noise stddev sigma, the sensitivity forgotten."""
+    release = plan.stages[i].one_off_release
+    acct = dataclasses.replace(acct, init_noise_multiplier=acct.init_noise_multiplier
+                               / release.l2_bound)
+    return compiler._one_off_release(plan, acct, loss_fn, i, params, key, batch)
+
+
+def _release_with_five_percent_less_noise(plan, acct, loss_fn, i, params, key, batch):
+    """BROKEN twin of compiler._one_off_release: noise stddev 0.95 sigma * sensitivity."""
+    acct = dataclasses.replace(acct, init_noise_multiplier=0.95 * acct.init_noise_multiplier)
+    return compiler._one_off_release(plan, acct, loss_fn, i, params, key, batch)
+
+
+def _release_at_the_training_sigma(plan, acct, loss_fn, i, params, key, batch):
+    """BROKEN twin of compiler._one_off_release: the training steps' sigma, not the release's."""
+    acct = dataclasses.replace(acct, init_noise_multiplier=acct.noise_multiplier)
+    return compiler._one_off_release(plan, acct, loss_fn, i, params, key, batch)
+
+
+@pytest.mark.parametrize("release_fn", [compiler._one_off_release, _release_with_sigma_only,
+                                        _release_with_five_percent_less_noise,
+                                        _release_at_the_training_sigma],
+                         ids=["compiler", "twin_sigma_only", "twin_0.95x", "twin_training_sigma"])
+def test_dp_snip_release_adds_noise_at_the_scale_declared_to_the_ledger(release_fn,
+                                                                         calibrated_snip):
+    """Guarantee: DP-SNIP's one-off release adds Gaussian noise of stddev sigma * sensitivity,
+    both as declared in its ledger line (the event's noise multiplier, the line's L2
+    sensitivity = the clip bound of the scores). Twins with sigma alone, 0.95x, or
+    the training steps' sigma must fail."""
+    if release_fn is compiler._one_off_release:
+        check_one_off_release_noise_matches_the_ledger(release_fn, calibrated_snip)
+        return
+    with pytest.raises(AssertionError, match="released noise stddev"):
+        check_one_off_release_noise_matches_the_ledger(release_fn, calibrated_snip)

@@ -1,3 +1,4 @@
+import dataclasses
 import itertools
 import math
 from fractions import Fraction
@@ -9,6 +10,8 @@ import pytest
 import scipy.special
 import scipy.stats
 
+from dp_accounting import dp_event
+from jax.flatten_util import ravel_pytree
 from jax.scipy.special import gammaln
 
 from dpbench import accounting, exact, models, stages
@@ -188,3 +191,103 @@ def test_top_m_mask_keeps_the_largest_magnitudes_ties_by_position():
     values = jnp.asarray([[0.5, -3.0, 3.0, 0.1, -0.5, 2.0]])
     np.testing.assert_array_equal(select.top_m_mask(values, 3), [[0, 1, 1, 0, 0, 1]])
     np.testing.assert_array_equal(select.top_m_mask(values, 4), [[1, 1, 1, 0, 0, 1]])
+
+
+GIP_GROUP, GIP_KEEP, GIP_INDEX = 8, 0.5, 2  # group size l, k, GIP's position in the pipeline
+
+
+def _pure_epsilon_composed(event) -> Fraction:
+    """The total pure epsilon inside a composed DpEvent (what the accountant is given)."""
+    if isinstance(event, accounting.PureDpEvent):
+        return Fraction(event.epsilon)
+    if isinstance(event, dp_event.ComposedDpEvent):
+        return sum((_pure_epsilon_composed(e) for e in event.events), Fraction(0))
+    if isinstance(event, dp_event.SelfComposedDpEvent):
+        return event.count * _pure_epsilon_composed(event.event)
+    return Fraction(0)
+
+
+def _compile_gip(stage, target_epsilon: float):
+    """One step of GIP (its whole index budget in it) on logistic regression over 3 x 3
+    images: 40 parameters, 5 groups of 8 coordinates, no padding."""
+    return compile_small(_select_pipeline(stage), n=64, batch_size=16, micro=8, total_steps=1,
+                         budget=accounting.Budget(target_epsilon, 1e-5), shape=(3, 3, 1))
+
+
+def _swap_counts(compiled, init_params, rng, draws: int) -> np.ndarray:
+    """The swap count of every group in ``draws`` index releases, read off the jitted apply's
+    released masks (fed the step's own host draws) against the exact top-m sets of fresh
+    random values: half the Hamming distance."""
+    fns = compiled.plan.fns[GIP_INDEX]
+    params = init_params(jax.random.key(0))
+    values = jax.tree.map(lambda x: jnp.asarray(rng.normal(size=x.shape), jnp.float32), params)
+    magnitudes = np.abs(np.asarray(ravel_pytree(values)[0]))
+    assert magnitudes.size % GIP_GROUP == 0  # no padded group
+    groups = magnitudes.reshape(-1, GIP_GROUP)
+    m = int(round(GIP_KEEP * GIP_GROUP))
+    reference = np.zeros_like(groups)
+    np.put_along_axis(reference, np.argsort(-groups, axis=1)[:, :m], 1.0, axis=1)
+    drawn = [compiled.stage_inputs(step)[str(GIP_INDEX)] for step in range(draws)]
+    stacked = jax.tree.map(lambda *xs: jnp.asarray(np.stack(xs)), *drawn)
+    released = jax.jit(jax.vmap(lambda d: ravel_pytree(fns.apply(values, {}, stages.StepContext(
+        params=None, step=jnp.asarray(0), key=jax.random.key(0), host_inputs=d))[1]["mask"])[0]))
+    masks = np.asarray(released(stacked)).reshape(draws, -1, GIP_GROUP)
+    assert np.all(masks.sum(-1) == m)
+    return (np.sum(masks != reference, axis=-1) // 2).ravel()
+
+
+def check_index_release_spends_what_the_ledger_charges(compiled, init_params, draws=2000):
+    """The sampler against the ledger: the pure epsilon the accountant composes for the index
+    release (per step: eps_step; per group, by basic composition over the G groups:
+    eps_step / G) fixes theta = eps_group / s1, s1 = min(2m, 2(l - m)) (Theorem 1); the swap
+    counts the released masks show must follow P(i) ~ C(m,i) C(l-m,i) exp(-2 theta i) at THAT
+    theta (chi-square over ~10,000 group releases)."""
+    steps = compiled.total_steps
+    eps_step = _pure_epsilon_composed(compiled.run_event(steps)) / steps
+    params = init_params(jax.random.key(0))
+    num_groups = -(-sum(x.size for x in jax.tree.leaves(params)) // GIP_GROUP)
+    m = int(round(GIP_KEEP * GIP_GROUP))
+    theta = float(eps_step / num_groups / min(2 * m, 2 * (GIP_GROUP - m)))
+    assert 0.05 < theta < 0.5  # large enough to tell 2x and 0.5x apart
+    counts = np.bincount(_swap_counts(compiled, init_params, np.random.default_rng(), draws),
+                         minlength=m + 1)
+    i = np.arange(m + 1)
+    law = scipy.special.comb(m, i) * scipy.special.comb(GIP_GROUP - m, i) * np.exp(-2 * theta * i)
+    expected = law / law.sum() * counts.sum()
+    pvalue = scipy.stats.chisquare(counts, expected).pvalue
+    assert pvalue > 1e-6, (f"the index release's swap counts {counts.tolist()} do not follow "
+                           f"the theta {theta:.4g} the ledger charges for (expected "
+                           f"{np.round(expected).tolist()}, p = {pvalue:.3g})")
+
+
+def _group_index_law_at_twice_theta(eps_step, groups: int, m: int, group_size: int):
+    """BROKEN twin of select.group_index_law: theta twice what eps_step / G allows."""
+    return exact.MallowsDistance(group_size, m, 2 * select.index_theta(
+        Fraction(eps_step) / groups, m, group_size))
+
+
+def _charging_half(stage):
+    """BROKEN twin of GIP's ledger line: its index release charged at half its epsilon."""
+    return dataclasses.replace(stage, cost=lambda info: accounting.PureDpEvent(
+        stage.cost(info).epsilon / 2))
+
+
+@pytest.mark.parametrize("twin", ["gip", "twin_sampler_twice_theta", "twin_ledger_charges_half"])
+def test_gip_index_release_spends_the_epsilon_its_ledger_charges(twin, monkeypatch):
+    """Guarantee: the Mallows theta GIP's sampler uses for each group is eps_group / s1 with
+    eps_group = (the pure epsilon the compiler's ledger composes per step) / G, i.e. the ledger
+    charges the index release at its full epsilon. Sampler and ledger are checked against each
+    other; a sampler at 2x theta, or a ledger that charges half, must fail."""
+    stage = stages.select.gip(group_size=GIP_GROUP, k_start=GIP_KEEP, k_end=GIP_KEEP,
+                              schedule="constant", index_fraction=0.8)
+    if twin == "twin_sampler_twice_theta":
+        monkeypatch.setattr(select, "group_index_law", _group_index_law_at_twice_theta)
+    if twin == "twin_ledger_charges_half":
+        stage = _charging_half(stage)
+    target = float(np.random.default_rng().uniform(8.0, 12.0))  # theta = target / 50
+    compiled, init_params, _ = _compile_gip(stage, target)
+    if twin == "gip":
+        check_index_release_spends_what_the_ledger_charges(compiled, init_params)
+        return
+    with pytest.raises(AssertionError, match="do not follow"):
+        check_index_release_spends_what_the_ledger_charges(compiled, init_params)

@@ -306,7 +306,7 @@ def through_a_dot(x):
     dot's output is a buffer that fusion cannot look through, while an elementwise consumer of
     a dense layer's outer product a delta^T (a per-example kernel gradient, or a transform of
     one) otherwise recomputes a's producer (the tanh CNN's 2x2 max-pool, four reads) once per
-    output column of the layer (WORKSPACE "Speed")."""
+    output column of the layer (docs/speed.md)."""
     padded = jnp.stack([x, jnp.zeros_like(x)], axis=-2)
     return jnp.einsum("...kd,k->...d", padded, jnp.asarray([1.0, 0.0], x.dtype))
 

@@ -52,7 +52,7 @@ def limit_lapack_threads() -> None:
     that starts OpenBLAS's threads makes two pools spin on the same cores. GEP's step on 2 CPU
     cores (Fashion-MNIST, tanh CNN, m=512, k=200) took 200 -> 170 ms at B=256 and 301 -> 225 ms
     at B=1024 with one OpenBLAS thread (alternate steps of one run, quiet machine), and
-    1200 -> 360 ms with two other jobs on the cores (WORKSPACE.md "Speed"). Process-wide
+    1200 -> 360 ms with two other jobs on the cores (docs/speed.md). Process-wide
     because XLA runs the step asynchronously: a limit scoped to the dispatch would not hold
     while the LAPACK call runs. Only OpenBLAS: the speed benchmark's torch rows (MKL, OpenMP) in
     the same process keep their threads. No effect on a GPU, where LAPACK is cuSOLVER."""

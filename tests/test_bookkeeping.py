@@ -9,7 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dpbench import accounting, bookkeeping, compiler, models, sampling, stages
+from dpbench import accounting, compiler, models, sampling, stages
+from dpbench.compiler import bookkeeping
 from tests.conftest import make_batch
 
 MICRO = 8

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dpbench.stages.base import Kind, Stage, StageFns, StageInfo, register_stage
-from dpbench.stages.clip import clip_to_l2
+from dpbench.ops import clip_to_l2
 
 
 def _groups(tree):

@@ -2,18 +2,8 @@
 
 from __future__ import annotations
 
-import jax
-
+from dpbench.ops import add_gaussian_noise
 from dpbench.stages.base import Kind, Stage, register_stage, stateless
-
-
-def add_gaussian_noise(tree, key: jax.Array, stddev):
-    """Adds independent N(0, stddev^2) noise to every coordinate; one fresh key per leaf."""
-    leaves, treedef = jax.tree.flatten(tree)
-    keys = jax.random.split(key, len(leaves))
-    noisy = [leaf + stddev * jax.random.normal(k, leaf.shape, leaf.dtype)
-             for leaf, k in zip(leaves, keys)]
-    return jax.tree.unflatten(treedef, noisy)
 
 
 @register_stage("noise.gaussian")

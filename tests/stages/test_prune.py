@@ -113,7 +113,7 @@ def test_dp_snip_clips_each_examples_connection_scores_theta_times_grad():
     release = stage.one_off_release
     scores = jax.jit(made(stage).release_value)(params, grads)
     np.testing.assert_allclose(scores["w"], params["w"] * grads["w"], rtol=1e-6)
-    from dpbench.stages.clip import clip_to_l2
+    from dpbench.ops import clip_to_l2
     clipped = jax.jit(lambda v: clip_to_l2(v, release.l2_bound))(scores)
     assert float(jnp.linalg.norm(clipped["w"])) <= bound * (1 + 1e-6)
     # the old order (clip the gradient, then multiply by |theta|) exceeds the bound here
@@ -132,7 +132,7 @@ def test_dp_snip_released_sum_is_the_sum_of_clipped_connection_scores():
     images, labels = random_data(64)
     params = init_params(jax.random.key(0))
     from dpbench import sampling
-    from dpbench.stages.clip import clip_to_l2
+    from dpbench.ops import clip_to_l2
     b = compiled.sampler.sample(sampling.PRE_TRAINING_STEP)
     state = compiled.init_state(params, jax.random.key(1),
                                 make_batch(compiled, images, labels, b.indices, b.mask))
@@ -170,7 +170,7 @@ def calibrated_snip():
 
 
 def check_one_off_release_noise_matches_the_ledger(release_fn, snip, releases=64):
-    """``release_fn`` (compiler._one_off_release's signature) releases DP-SNIP's scores on one
+    """``release_fn`` (compiler.one_off_release's signature) releases DP-SNIP's scores on one
     sampler batch of fresh data ``releases`` times with fresh keys; the clean sum is the same
     every time, so the spread across releases is the noise alone. Its stddev must be the
     ledger's noise multiplier times the ledger's L2 sensitivity (a two-sided chi-square test on
@@ -200,26 +200,26 @@ def check_one_off_release_noise_matches_the_ledger(release_fn, snip, releases=64
 
 
 def _release_with_sigma_only(plan, acct, loss_fn, i, params, key, batch):
-    """BROKEN twin of compiler._one_off_release: noise stddev sigma, the sensitivity forgotten."""
+    """BROKEN twin of compiler.one_off_release: noise stddev sigma, the sensitivity forgotten."""
     release = plan.stages[i].one_off_release
     acct = dataclasses.replace(acct, init_noise_multiplier=acct.init_noise_multiplier
                                / release.l2_bound)
-    return compiler._one_off_release(plan, acct, loss_fn, i, params, key, batch)
+    return compiler.one_off_release(plan, acct, loss_fn, i, params, key, batch)
 
 
 def _release_with_five_percent_less_noise(plan, acct, loss_fn, i, params, key, batch):
-    """BROKEN twin of compiler._one_off_release: noise stddev 0.95 sigma * sensitivity."""
+    """BROKEN twin of compiler.one_off_release: noise stddev 0.95 sigma * sensitivity."""
     acct = dataclasses.replace(acct, init_noise_multiplier=0.95 * acct.init_noise_multiplier)
-    return compiler._one_off_release(plan, acct, loss_fn, i, params, key, batch)
+    return compiler.one_off_release(plan, acct, loss_fn, i, params, key, batch)
 
 
 def _release_at_the_training_sigma(plan, acct, loss_fn, i, params, key, batch):
-    """BROKEN twin of compiler._one_off_release: the training steps' sigma, not the release's."""
+    """BROKEN twin of compiler.one_off_release: the training steps' sigma, not the release's."""
     acct = dataclasses.replace(acct, init_noise_multiplier=acct.noise_multiplier)
-    return compiler._one_off_release(plan, acct, loss_fn, i, params, key, batch)
+    return compiler.one_off_release(plan, acct, loss_fn, i, params, key, batch)
 
 
-@pytest.mark.parametrize("release_fn", [compiler._one_off_release, _release_with_sigma_only,
+@pytest.mark.parametrize("release_fn", [compiler.one_off_release, _release_with_sigma_only,
                                         _release_with_five_percent_less_noise,
                                         _release_at_the_training_sigma],
                          ids=["compiler", "twin_sigma_only", "twin_0.95x", "twin_training_sigma"])
@@ -229,7 +229,7 @@ def test_dp_snip_release_adds_noise_at_the_scale_declared_to_the_ledger(release_
     both as declared in its ledger line (the event's noise multiplier, the line's L2
     sensitivity = the clip bound of the scores). Twins with sigma alone, 0.95x, or
     the training steps' sigma must fail."""
-    if release_fn is compiler._one_off_release:
+    if release_fn is compiler.one_off_release:
         check_one_off_release_noise_matches_the_ledger(release_fn, calibrated_snip)
         return
     with pytest.raises(AssertionError, match="released noise stddev"):

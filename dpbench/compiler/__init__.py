@@ -1,0 +1,31 @@
+"""The compiler: (pipeline, model, sampler, budget, mesh) -> one jitted, sharded, accounted step.
+
+Three named phases over a frozen plan:
+
+0. rules (``rules.py``, run once): :func:`validate_pipeline` checks the stages' declarations (kinds,
+   bounds, costs; errors name the stage and the rule) and derives the sensitivity.
+1. bind (``bind.py``): each stage's ``make`` gets the run's public facts and returns its step
+   functions; the per-example strategy (materialized or book-keeping) is chosen from the stage
+   chain. Host only, no jit.
+2. account (``ledger.py``): the run's privacy ledger (one-off releases, the per-step Gaussian
+   release, stage mechanisms such as GIP's index release) and the noise multipliers calibrated
+   to the target (epsilon, delta). Host only, no jit; testable on its own.
+3. lower (``lower.py``; the clipped sum of either strategy in ``per_example.py`` and
+   ``bookkeeping.py``): the step function (begin-step, clipped sum, batch stages and release,
+   normalize, optimizer, public masks, EMA) and the initial state; :func:`compile_pipeline`
+   (``pipeline.py``) checks their shapes with jax.eval_shape and jits the step on the mesh.
+
+One clipped-sum function (:func:`masked_sum`) serves the step and the one-off release.
+"""
+
+from dpbench.compiler.bind import Plan, bind
+from dpbench.compiler.ledger import Accounting, account, step_mechanisms_of
+from dpbench.compiler.lower import STAGE_INPUTS, Lowered, TrainState, lower, one_off_release
+from dpbench.compiler.per_example import EXAMPLE_KEYS, masked_sum
+from dpbench.compiler.pipeline import CompiledPipeline, compile_pipeline
+from dpbench.compiler.rules import PipelineError, ValidatedPipeline, validate_pipeline
+
+__all__ = ["Accounting", "CompiledPipeline", "EXAMPLE_KEYS", "Lowered", "PipelineError", "Plan",
+           "STAGE_INPUTS", "TrainState", "ValidatedPipeline", "account", "bind",
+           "compile_pipeline", "lower", "masked_sum", "one_off_release", "step_mechanisms_of",
+           "validate_pipeline"]

@@ -1,0 +1,74 @@
+"""Phase 1 of the compiler: a validated pipeline bound to one run's public facts (``Plan``),
+with the per-example strategy chosen from the stage chain."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Optional, Sequence
+
+
+from dpbench.compiler import bookkeeping
+from dpbench.compiler.rules import (PipelineError, ValidatedPipeline, describe_stage,
+                                    validate_pipeline)
+from dpbench.stages.base import Kind, Mask, Stage, StageFns, StageInfo
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """A validated pipeline bound to one run: declarations, step functions, run facts."""
+
+    stages: tuple          # the declarations, exactly as validated
+    fns: tuple             # StageFns per stage, from make(info)
+    validated: ValidatedPipeline
+    info: StageInfo
+    model: Any = None      # the flax model, when the caller gives it (book-keeping needs it)
+    taps: Optional[tuple] = None  # its matmul layers (bookkeeping.discover_taps), if all params
+    strategy: str = "materialized"  # per-example strategy: "materialized" or "bookkeeping"
+
+    @property
+    def num_per_example(self) -> int:
+        """Stages run per example: up to the clip, plus BOUNDED stages after it."""
+        clip = self.validated.clip_index
+        return clip + 1 + sum(1 for s in self.stages[clip + 1:] if s.kind_in == Kind.BOUNDED)
+
+    @property
+    def sensitivity(self) -> float:
+        return self.validated.sensitivity
+
+    def facts(self) -> list:
+        """Per stage: its name, the factory's options and the run-derived public facts."""
+        return [dict(name=s.name, **s.options, **f.facts) for s, f in zip(self.stages,
+                                                                            self.fns)]
+
+
+def _check_fns(i: int, stage: Stage, fns, num_per_example: int) -> None:
+    where = describe_stage(i, stage)
+    if not isinstance(fns, StageFns):
+        raise PipelineError(f"{where}: make(info) returned {type(fns).__name__}, not StageFns")
+    if stage.one_off_release is not None and (fns.release_value is None
+                                              or fns.init_from_release is None):
+        raise PipelineError(f"{where} declares a one-off release but make() gives no "
+                            "release_value and init_from_release")
+    if stage.public_mask and not all(isinstance(m, Mask) for m in stage.public_mask):
+        raise PipelineError(f"{where}: public_mask must hold dpbench Mask members")
+    if fns.host_inputs is not None and i < num_per_example:
+        raise PipelineError(f"{where}: host_inputs are for batch stages (after the clip)")
+    if fns.finish_sum is not None and i >= num_per_example:
+        raise PipelineError(f"{where}: finish_sum is for per-example stages (the clip and before)")
+
+
+def bind(stages: Sequence[Stage], info: StageInfo, model=None) -> Plan:
+    """Validates the declarations, makes every stage's step functions with the run facts, and
+    picks the per-example strategy from the stage chain: book-keeping where it reproduces the
+    chain exactly (bookkeeping.applies) and the model is made of matmul layers, else the
+    materialized per-example gradients (vmap)."""
+    validated = validate_pipeline(stages)
+    fns = tuple(stage.make(info) for stage in validated.stages)
+    plan = Plan(stages=validated.stages, fns=fns, validated=validated, info=info, model=model)
+    for i, (stage, made) in enumerate(zip(plan.stages, fns)):
+        _check_fns(i, stage, made, plan.num_per_example)
+    taps = None if model is None else bookkeeping.discover_taps(
+        model, info.param_shapes, info.example_shape)
+    if bookkeeping.applies(plan.stages, plan.num_per_example, taps):
+        plan = dataclasses.replace(plan, taps=taps, strategy="bookkeeping")
+    return plan

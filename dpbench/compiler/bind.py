@@ -57,12 +57,14 @@ def _check_fns(i: int, stage: Stage, fns, num_per_example: int) -> None:
         raise PipelineError(f"{where}: finish_sum is for per-example stages (the clip and before)")
 
 
-def bind(stages: Sequence[Stage], info: StageInfo, model=None) -> Plan:
+def bind(stages: Sequence[Stage], info: StageInfo, model=None,
+         validated: Optional[ValidatedPipeline] = None) -> Plan:
     """Validates the declarations, makes every stage's step functions with the run facts, and
     picks the per-example strategy from the stage chain: book-keeping where it reproduces the
     chain exactly (bookkeeping.applies) and the model is made of matmul layers, else the
-    materialized per-example gradients (vmap)."""
-    validated = validate_pipeline(stages)
+    materialized per-example gradients (vmap). ``validated``: these stages' validation, when
+    the caller has already run it (the rules run once per compile)."""
+    validated = validate_pipeline(stages) if validated is None else validated
     fns = tuple(stage.make(info) for stage in validated.stages)
     plan = Plan(stages=validated.stages, fns=fns, validated=validated, info=info, model=model)
     for i, (stage, made) in enumerate(zip(plan.stages, fns)):

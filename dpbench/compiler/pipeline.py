@@ -145,7 +145,7 @@ def compile_pipeline(stages: Sequence[Stage], *, loss_fn: Callable, init_params:
     """
     mesh = sharding.make_mesh() if mesh is None else mesh
     sharding.limit_lapack_threads()
-    validate_pipeline(stages)  # rule errors before any size error
+    validated = validate_pipeline(stages)  # rule errors before any size error
     micro_steps = _check_sizes(total_steps, ema_decay, micro_batch_size, mesh,
                                sampler.padded_batch_size)
     key_shapes = jax.eval_shape(lambda: jax.random.key(0))
@@ -157,7 +157,7 @@ def compile_pipeline(stages: Sequence[Stage], *, loss_fn: Callable, init_params:
                      public_images=public_images, num_classes=num_classes,
                      linear_apply=linear_apply, example_shape=tuple(example_shape),
                      padded_batch_size=sampler.padded_batch_size)
-    plan = bind(stages, info, model)
+    plan = bind(stages, info, model, validated)
     acct = account(plan, sampler, budget, total_steps, noise_multiplier)
     lowered = lower(plan, acct, loss_fn=loss_fn, expected_batch_size=sampler.expected_batch_size,
                     ema_decay=ema_decay, fidelity_diagnostics=fidelity_diagnostics)

@@ -39,8 +39,8 @@ def run():
     # Imported on demand: each subcommand's module is slow to import (matplotlib, the audit's
     # flags), and none of them imports this module (no cycle).
     if len(sys.argv) > 1 and sys.argv[1] == "leaderboard":
-        from dpbench import leaderboard
-        sys.exit(leaderboard.main(sys.argv[2:]))
+        from dpbench import board
+        sys.exit(board.main(sys.argv[2:]))
     if len(sys.argv) > 1 and sys.argv[1] == "sweep":
         from dpbench import sweep
         sys.exit(sweep.main(sys.argv[2:]))

@@ -4,7 +4,7 @@ privacy cost of the search itself (Papernot & Steinke, ICLR 2022).
 The protocol is one JSON file (``leaderboard/protocol.json``): per group family (dataset, model)
 a search space shared by every method, each method's own knobs, and its trial 0 (the paper's
 recipe); the trial-count distribution and the seeds. Everything here is pure and Ray-free:
-``dpbench.sweep`` runs the trials on Ray Tune, ``dpbench.leaderboard`` reads what they left.
+``dpbench.sweep`` runs the trials on Ray Tune, ``dpbench.board`` reads what they left.
 
 Trial count. Per group, K = 1 + J trials per method: trial 0 (fixed), and J random ones, with
 J drawn ONCE per group from a truncated negative binomial (dp_accounting's RepeatAndSelect

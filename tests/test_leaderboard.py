@@ -7,7 +7,7 @@ import shutil
 import numpy as np
 import pytest
 
-from dpbench import config, leaderboard, train
+from dpbench import board, config, train
 
 GROUP = "fashion_mnist__tanh_cnn__eps3.0__delta1e-05"
 
@@ -48,7 +48,7 @@ def records(tmp_path):
 
 
 def test_the_configuration_is_chosen_on_validation_not_test(records, tmp_path):
-    table = leaderboard.build(records, tmp_path / "board")
+    table = board.build(records, tmp_path / "board")
     rows = {r["method"]: r for r in table[GROUP]}
     assert rows["rs"]["test_mean"] == pytest.approx(0.850)  # config A, despite B's test score
     assert rows["rs"]["configs_tried"] == 2 and rows["rs"]["seeds"] == 3
@@ -70,7 +70,7 @@ def test_step_ratio_comes_from_the_speed_benchmark_at_the_runs_batch_size(record
         perf_row("dpsgd", 1024, 100.0), perf_row("rs", 1024, 150.0),
         perf_row("dpsgd", 256, 10.0), perf_row("rs", 256, 99.0),  # another batch size
         perf_row("rs", 1024, 500.0, setting="paper")]}))  # not the pipeline's own setting
-    table = leaderboard.build(records, tmp_path / "board", perf_json=perf)
+    table = board.build(records, tmp_path / "board", perf_json=perf)
     rows = {r["method"]: r for r in table[GROUP]}
     assert rows["rs"]["step_ratio"] == pytest.approx(1.5) and rows["rs"]["step_source"] == "bench"
     assert "| 1.50x |" in (tmp_path / "board" / "README.md").read_text()
@@ -83,11 +83,11 @@ def test_step_ratio_comes_from_the_speed_benchmark_at_the_runs_batch_size(record
     perf.write_text(json.dumps({"rows": rows_json + [{
         "spec": {"kind": "interleaved", "group": "interleaved", "batch_size": 1024},
         "result": {"ok": True, "members": members}}]}))
-    assert leaderboard.load_perf(perf) == {("dpsgd", 1024): 80.0, ("rs", 1024): 96.0}
-    table = leaderboard.build(records, tmp_path / "board", perf_json=perf)
+    assert board.load_perf(perf) == {("dpsgd", 1024): 80.0, ("rs", 1024): 96.0}
+    table = board.build(records, tmp_path / "board", perf_json=perf)
     assert {r["method"]: r for r in table[GROUP]}["rs"]["step_ratio"] == pytest.approx(1.2)
     # without the benchmark: the runs' own step times, marked
-    table = leaderboard.build(records, tmp_path / "board")
+    table = board.build(records, tmp_path / "board")
     assert {r["method"]: r for r in table[GROUP]}["rs"]["step_source"] == "runs"
     assert "| 1.20x† |" in (tmp_path / "board" / "README.md").read_text()
 
@@ -97,7 +97,7 @@ def test_two_regenerations_give_identical_bytes(records, tmp_path):
     for name in ("one", "two"):
         out = tmp_path / name
         shutil.copytree(records, out / "records")
-        leaderboard.build(out / "records", out)
+        board.build(out / "records", out)
         outputs.append({p.relative_to(out): p.read_bytes() for p in sorted(out.rglob("*"))
                         if p.is_file() and "records" not in p.parts})
     assert outputs[0] == outputs[1]
@@ -117,13 +117,13 @@ def test_malformed_records_are_rejected_with_their_path(records, tmp_path, damag
     record = json.loads(path.read_text())
     damage(record)
     path.write_text(json.dumps(record))
-    with pytest.raises(leaderboard.LeaderboardError, match=match) as error:
-        leaderboard.build(records, tmp_path / "board")
+    with pytest.raises(board.LeaderboardError, match=match) as error:
+        board.build(records, tmp_path / "board")
     assert str(path) in str(error.value)
 
 
 def test_cli_exit_code_and_message(tmp_path, capsys):
-    assert leaderboard.main([f"--records={tmp_path / 'none'}", f"--out={tmp_path}"]) == 2
+    assert board.main([f"--records={tmp_path / 'none'}", f"--out={tmp_path}"]) == 2
     assert "does not exist" in capsys.readouterr().err
 
 
@@ -133,7 +133,7 @@ def test_a_real_run_record_is_accepted(tmp_path):
     config.parse_config(["pipelines/dpsgd.gin", "gin/data/digits.gin"],
                       ["train.epochs = 1", "EPSILON = 3.0"])
     train.train(group / "dpsgd-seed0")
-    table = leaderboard.build(tmp_path / "records", tmp_path)
+    table = board.build(tmp_path / "records", tmp_path)
     (row,) = table["digits__mlp__eps3.0__delta0.0001"]
     assert row["method"] == "dpsgd" and row["gain"] == 0.0
 
@@ -152,7 +152,7 @@ def _runs(val_by_seed, lr):
 ])
 def test_the_choice_compares_only_the_seeds_every_configuration_ran(a_vals, b_vals, expected):
     configs = {"A": _runs(a_vals, 1.0), "B": _runs(b_vals, 2.0)}
-    key, seeds, score = leaderboard.choose_configuration(configs)
+    key, seeds, score = board.choose_configuration(configs)
     assert key == expected
     shared = sorted(set(map(str, a_vals)) & set(map(str, b_vals)))
     assert seeds == shared
@@ -165,11 +165,11 @@ def test_the_choice_never_reads_test_accuracy():
     a, b = _runs({0: 0.86}, 1.0), _runs({0: 0.85}, 2.0)
     for r in a:
         r["test_accuracy"] = 0.1
-    assert leaderboard.choose_configuration({"A": a, "B": b})[0] == "A"
+    assert board.choose_configuration({"A": a, "B": b})[0] == "A"
 
 
 def test_the_board_names_what_sets_the_chosen_configuration_apart(records, tmp_path):
-    table = leaderboard.build(records, tmp_path / "board")
+    table = board.build(records, tmp_path / "board")
     rows = {r["method"]: r for r in table[GROUP]}
     assert rows["rs"]["config_label"] == "optimize.optax.learning_rate=1.0"
     assert rows["dpsgd"]["config_label"] == "default"  # its only configuration
@@ -182,7 +182,7 @@ def test_the_board_names_what_sets_the_chosen_configuration_apart(records, tmp_p
     random_prune["stages"][0] = {"name": "prune.random", "sparsity": 0.5}
     magnitude = json.loads(json.dumps(synflow))
     magnitude["stages"][1]["criterion"] = "magnitude"
-    assert leaderboard.config_label(synflow, [random_prune, magnitude]) == (
+    assert board.config_label(synflow, [random_prune, magnitude]) == (
         "prune.synflow, drop.gradients.criterion=random")
 
 
@@ -209,7 +209,7 @@ def test_each_group_shows_the_audit_made_at_its_own_epsilon(records, tmp_path):
         {"pipeline": "rs", "claimed_epsilon": 2.9999994, "epsilon_lb": 0.305}))
     (audits / "dpsgd-eps1.json").write_text(json.dumps(
         {"pipeline": "dpsgd", "claimed_epsilon": 0.99999, "epsilon_lb": 0.1}))
-    table = leaderboard.build(records, tmp_path / "board", audits_dir=audits)
+    table = board.build(records, tmp_path / "board", audits_dir=audits)
     eps3 = {r["method"]: r for r in table[GROUP]}
     (eps1,) = table["fashion_mnist__tanh_cnn__eps1.0__delta1e-05"]
     assert eps3["rs"]["audit_epsilon_lb"] == 0.305
@@ -217,8 +217,8 @@ def test_each_group_shows_the_audit_made_at_its_own_epsilon(records, tmp_path):
     assert eps1["audit_epsilon_lb"] == 0.1
     (audits / "rs-again.json").write_text(json.dumps(
         {"pipeline": "rs", "claimed_epsilon": 3.0, "epsilon_lb": 0.2}))
-    with pytest.raises(leaderboard.LeaderboardError, match="a second audit of rs"):
-        leaderboard.build(records, tmp_path / "board", audits_dir=audits)
+    with pytest.raises(board.LeaderboardError, match="a second audit of rs"):
+        board.build(records, tmp_path / "board", audits_dir=audits)
 
 
 @pytest.mark.parametrize("board_dir", ["leaderboard", "leaderboard/archive/v1"])
@@ -227,26 +227,26 @@ def test_the_committed_board_is_what_its_committed_records_give(tmp_path, board_
     rebuilding each from its committed records, the audits and PERF.json gives the same bytes.
     (The SVG plots are only checked to exist: their bytes depend on the matplotlib version.)"""
     from tests.conftest import REPO_ROOT
-    board = REPO_ROOT / board_dir
+    committed = REPO_ROOT / board_dir
     copy = tmp_path / "board"
-    shutil.copytree(board / "records", copy / "records")
+    shutil.copytree(committed / "records", copy / "records")
     shutil.copytree(REPO_ROOT / "leaderboard" / "audits", copy / "audits")
     shutil.copy(REPO_ROOT / "leaderboard" / "PERF.json", copy / "PERF.json")
     main = board_dir == "leaderboard"  # its verdicts read the claims and v1's records
-    leaderboard.build(copy / "records", copy, copy / "audits", copy / "PERF.json",
-                      board / "claims.json" if main else None,
-                      board / "archive" / "v1" / "records" if main else None)
+    board.build(copy / "records", copy, copy / "audits", copy / "PERF.json",
+                committed / "claims.json" if main else None,
+                committed / "archive" / "v1" / "records" if main else None)
     for name in ("README.md", "index.html"):
-        assert (copy / name).read_text() == (board / name).read_text(), (
+        assert (copy / name).read_text() == (committed / name).read_text(), (
             f"{board_dir}/{name} is stale: run .venv/bin/dpbench leaderboard "
             f"--records={board_dir}/records --out={board_dir}")
     for plot in (copy / "plots").iterdir() if (copy / "plots").exists() else []:
-        assert (board / "plots" / plot.name).is_file()
+        assert (committed / "plots" / plot.name).is_file()
 
 
 def test_the_note_renders_as_html_paragraphs_with_escaping(records, tmp_path):
     (records / "NOTE.md").write_text("**Caveat** one\nline `x<y`.\n\nSecond & last.\n")
-    leaderboard.build(records, tmp_path / "board")
+    board.build(records, tmp_path / "board")
     page = (tmp_path / "board" / "index.html").read_text()
     assert ("<p class='note'><strong>Caveat</strong> one line <code>x&lt;y</code>.</p>"
             in page)
@@ -256,7 +256,7 @@ def test_the_note_renders_as_html_paragraphs_with_escaping(records, tmp_path):
 
 def test_a_plot_shared_by_several_epsilons_is_shown_once(records, tmp_path):
     assert (records / "fashion_mnist__tanh_cnn__eps1.0__delta1e-05").is_dir()  # two epsilons
-    leaderboard.build(records, tmp_path / "board")
+    board.build(records, tmp_path / "board")
     page = (tmp_path / "board" / "index.html").read_text()
     readme = (tmp_path / "board" / "README.md").read_text()
     assert page.count("<h2>") == 2 and page.count("<img ") == 1  # one (dataset, model, delta)
@@ -272,7 +272,7 @@ def test_a_run_without_a_step_time_is_summarized_from_the_others(tmp_path):
         write(root, GROUP, f"dpsgd-s{seed}", fake_record("dpsgd", seed, 0.86, 0.86,
                                                          step_s=None if seed else 0.1))
         write(root, GROUP, f"rs-s{seed}", fake_record("rs", seed, 0.87, 0.85, step_s=None))
-    rows = {r["method"]: r for r in leaderboard.build(root, tmp_path / "board")[GROUP]}
+    rows = {r["method"]: r for r in board.build(root, tmp_path / "board")[GROUP]}
     assert rows["dpsgd"]["step_s"] == pytest.approx(0.1)
     assert rows["rs"]["step_s"] is None and rows["rs"]["step_ratio"] is None
 
@@ -287,14 +287,14 @@ def test_the_runs_own_step_ratio_is_per_example_when_batch_sizes_differ(tmp_path
                                                               step_s=0.4), batch_size=4096))
         write(root, GROUP, f"rs-s{seed}", dict(fake_record("rs", seed, 0.87, 0.85,
                                                            step_s=0.96), batch_size=8192))
-    rows = {r["method"]: r for r in leaderboard.build(root, tmp_path / "board")[GROUP]}
+    rows = {r["method"]: r for r in board.build(root, tmp_path / "board")[GROUP]}
     assert rows["rs"]["step_ratio"] == pytest.approx(1.2)
     assert rows["rs"]["step_source"] == "runs"
     assert "| 1.20x† |" in (tmp_path / "board" / "README.md").read_text()
 
 
 def admits_all_but_a_refit(record):
-    """Broken twin of leaderboard.unrankable_reason: refuses only a refit, so a failed run's
+    """Broken twin of board.unrankable_reason: refuses only a refit, so a failed run's
     record reaches the selection, which takes the best validation accuracy."""
     return "refit" if record["validation_accuracy"] is None else None
 
@@ -313,17 +313,17 @@ def check_a_failed_run_is_never_chosen_or_ranked(root, failed_path, out_dir):
     """The board refuses the failed run's record naming its path, or ranks without it: its
     configuration is not the one chosen for its method."""
     try:
-        table = leaderboard.summarize(leaderboard.load_records(root), {}, out_dir)
-    except leaderboard.LeaderboardError as error:
+        table = board.summarize(board.load_records(root), {}, out_dir)
+    except board.LeaderboardError as error:
         assert str(failed_path) in str(error), f"refused, but not naming {failed_path}"
         return
-    failed_config = leaderboard.config_key(json.loads(failed_path.read_text()))
+    failed_config = board.config_key(json.loads(failed_path.read_text()))
     chosen = {r["method"]: r for r in table[GROUP]}["rs"]
     assert chosen["config"] != failed_config, f"the failed run {failed_path} was chosen"
 
 
 @pytest.mark.parametrize("failure", FAILED_RUNS)
-@pytest.mark.parametrize("unrankable", [leaderboard.unrankable_reason, admits_all_but_a_refit],
+@pytest.mark.parametrize("unrankable", [board.unrankable_reason, admits_all_but_a_refit],
                          ids=["unrankable_reason", "broken_twin_admits_failed_runs"])
 def test_a_failed_or_diverged_run_is_never_chosen_or_ranked(records, tmp_path, monkeypatch,
                                                             unrankable, failure):
@@ -333,7 +333,7 @@ def test_a_failed_or_diverged_run_is_never_chosen_or_ranked(records, tmp_path, m
     max and ranks it."""
     record = dict(fake_record("rs", 0, 0.95, 0.90, lr=3.0), **FAILED_RUNS[failure])
     failed_path = write(records, GROUP, "rs-0-failed-s0", record)  # sorts first in its group
-    monkeypatch.setattr(leaderboard, "unrankable_reason", unrankable)
+    monkeypatch.setattr(board.results, "unrankable_reason", unrankable)
     if unrankable is admits_all_but_a_refit:
         with pytest.raises(AssertionError):
             check_a_failed_run_is_never_chosen_or_ranked(records, failed_path, tmp_path)

@@ -297,7 +297,7 @@ def test_a_refit_without_validation_reports_its_last_step_and_says_so(tmp_path):
     counted in N, the statement names the choice of settings as not covered, and the board
     refuses to rank the run (it chooses on validation)."""
     import gin
-    from dpbench import leaderboard
+    from dpbench import board
     files = ["pipelines/dpsgd.gin", "gin/data/digits.gin"]
     config.parse_config(files, ["train.epochs = 2", "dataset.validation_size = 0"])
     record = train.train(tmp_path / "run", gin_files=files)
@@ -313,6 +313,6 @@ def test_a_refit_without_validation_reports_its_last_step_and_says_so(tmp_path):
     group = tmp_path / "records" / "digits__mlp__eps3.0__delta0.0001" / "refit"
     group.mkdir(parents=True)
     (group / "run_record.json").write_text(json.dumps(record))
-    with pytest.raises(leaderboard.LeaderboardError, match="refit") as e:
-        leaderboard.build(tmp_path / "records", tmp_path / "board")
+    with pytest.raises(board.LeaderboardError, match="refit") as e:
+        board.build(tmp_path / "records", tmp_path / "board")
     assert str(group / "run_record.json") in str(e.value)

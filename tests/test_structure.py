@@ -11,9 +11,9 @@ MAX_FUNCTION_LINES = 80
 MAX_MODULE_LINES = 400
 # Modules still over MAX_MODULE_LINES, each at its size when the limit came in: a ratchet (they
 # may shrink, never grow; splitting them is open work).
-OVERSIZED_MODULES = {"dpbench.leaderboard": 648, "dpbench.train": 546}
+OVERSIZED_MODULES = {"dpbench.train": 546}
 # Stages sit below the compiler and the board: they import neither.
-ABOVE_THE_STAGES = ("dpbench.compiler", "dpbench.train", "dpbench.leaderboard", "dpbench.tuning",
+ABOVE_THE_STAGES = ("dpbench.compiler", "dpbench.train", "dpbench.board", "dpbench.tuning",
                     "dpbench.sweep", "dpbench.audit", "dpbench.main")
 
 
@@ -108,6 +108,6 @@ def test_no_stage_imports_the_compiler_or_the_board(tmp_path):
     assert not any(upward.values()), {k: v for k, v in upward.items() if v}
     # the check can fail: a stage that reaches into the compiler is found
     broken = tmp_path / "broken_stage.py"
-    broken.write_text("from dpbench.compiler import bookkeeping\nimport dpbench.leaderboard\n")
-    assert _upward(_imports(broken, modules)) == ["dpbench.compiler.bookkeeping",
-                                                  "dpbench.leaderboard"]
+    broken.write_text("from dpbench.compiler import bookkeeping\nimport dpbench.board.render\n")
+    assert _upward(_imports(broken, modules)) == ["dpbench.board.render",
+                                                  "dpbench.compiler.bookkeeping"]

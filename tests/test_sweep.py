@@ -122,13 +122,13 @@ def test_a_malformed_or_mismatched_record_is_rejected_with_its_path(finished_swe
 
 
 def test_an_unfinished_search_is_listed_not_ranked(finished_sweep, tmp_path):
-    from dpbench import leaderboard
+    from dpbench import board
     tmp, *_ = finished_sweep
     records = tmp_path / "records"
     shutil.copytree(tmp / "records", records)
     winner = tuning.search_summary(records / GROUP)["dpsgd"]["winner"]
     shutil.rmtree(records / GROUP / f"dpsgd-t{winner}-seed1")  # a winner's seed still running
-    table = leaderboard.build(records, tmp_path / "board")
+    table = board.build(records, tmp_path / "board")
     assert GROUP not in table
     assert f"`{GROUP}` 5 of 6 runs" in (tmp_path / "board" / "README.md").read_text()
     (records / GROUP / "rs-t0-seed9").mkdir()  # a stray run the plan does not know
@@ -136,14 +136,14 @@ def test_an_unfinished_search_is_listed_not_ranked(finished_sweep, tmp_path):
     (records / GROUP / "extra").mkdir()
     shutil.copytree(records / GROUP / "rs-t0-seed0", records / GROUP / "extra2")
     shutil.copytree(records / GROUP / "rs-t0-seed0", records / GROUP / "extra3")
-    with pytest.raises(leaderboard.LeaderboardError, match="remove the strays"):
-        leaderboard.build(records, tmp_path / "board")
+    with pytest.raises(board.LeaderboardError, match="remove the strays"):
+        board.build(records, tmp_path / "board")
 
 
 def test_the_board_shows_the_search_and_regenerates_identical_bytes(finished_sweep, tmp_path):
-    from dpbench import leaderboard
+    from dpbench import board
     tmp, *_ = finished_sweep
-    table = leaderboard.build(tmp / "records", tmp_path / "a")
+    table = board.build(tmp / "records", tmp_path / "a")
     summary = tuning.search_summary(tmp / "records" / GROUP)
     for row in table[GROUP]:  # the protocol's delta (1e-5), not digits.gin's default (1e-4)
         assert row["search"]["search_epsilon"] == summary[row["method"]]["search_epsilon"]
@@ -152,12 +152,12 @@ def test_the_board_shows_the_search_and_regenerates_identical_bytes(finished_swe
     assert f"{summary['dpsgd']['search_epsilon']:.3f}" in text
     assert "2 (1 + J, J ~ geometric, mean 1)" in text
     assert f"plots/{GROUP}__trials.svg" in text
-    leaderboard.build(tmp / "records", tmp_path / "b")
+    board.build(tmp / "records", tmp_path / "b")
     for name in ("README.md", "index.html", f"plots/{GROUP}__trials.svg"):
         assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes()
     # the verdicts: the paper's claim next to v1's gain (none here) and v2's
-    leaderboard.build(tmp / "records", tmp_path / "c",
-                      claims_json=config.REPO_ROOT / "leaderboard" / "claims.json")
+    board.build(tmp / "records", tmp_path / "c",
+                claims_json=config.REPO_ROOT / "leaderboard" / "claims.json")
     text = (tmp_path / "c" / "README.md").read_text()
     assert f"## Verdicts: {GROUP}" in text
     rs_row = next(line for line in text.splitlines() if line.startswith("| rs | Zhu"))

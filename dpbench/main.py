@@ -1,4 +1,5 @@
-"""Command line: ``dpbench --gin_file=pipelines/dpsgd.gin --gin_bindings=... --workdir=...``."""
+"""Command line: ``dpbench COMMAND [flags]`` (``dpbench help`` lists the commands);
+``dpbench --gin_file=pipelines/dpsgd.gin --gin_bindings=... --workdir=...`` trains."""
 
 from __future__ import annotations
 
@@ -32,24 +33,67 @@ def main(argv) -> None:
         sys.exit(2)
 
 
+COMMANDS = {
+    "train": "train one pipeline and write its run record (the default: `dpbench --gin_file=...` "
+             "is `dpbench train --gin_file=...`)",
+    "audit": "audit a pipeline's compiled step with a canary: an empirical epsilon lower bound",
+    "sweep": "run the board's tuning protocol on Ray Tune (the [sweep] extra)",
+    "board": "render the leaderboard from run records (also `dpbench leaderboard`)",
+}
+
+
+def usage() -> str:
+    rows = "\n".join(f"  {name:<8} {text}" for name, text in COMMANDS.items())
+    return ("usage: dpbench COMMAND [flags]   (dpbench COMMAND --help: its flags, with their "
+            f"defaults)\n\ncommands:\n{rows}\n\nexample: dpbench train "
+            "--gin_file=pipelines/dpsgd.gin --workdir=runs/dpsgd\n")
+
+
+def _command(argv: list) -> tuple:
+    """(command, its arguments): the first argument names the command unless it is a flag,
+    in which case the command is train (``dpbench --gin_file=...`` keeps working)."""
+    if argv and not argv[0].startswith("-"):
+        return ("board" if argv[0] == "leaderboard" else argv[0]), argv[1:]
+    return "train", argv
+
+
 def run():
-    """The console script: ``dpbench [flags]`` trains; ``dpbench audit [flags]`` audits;
-    ``dpbench leaderboard [flags]`` renders the board from run records; ``dpbench sweep
-    [flags]`` runs the board's tuning protocol on Ray Tune."""
-    # Imported on demand: each subcommand's module is slow to import (matplotlib, the audit's
+    """The console script: ``dpbench COMMAND [flags]``, see ``usage``."""
+    if sys.argv[1:] in ([], ["-h"], ["--help"], ["help"]):
+        print(usage(), file=sys.stdout if sys.argv[1:] else sys.stderr)
+        sys.exit(0 if sys.argv[1:] else 2)
+    command, rest = _command(sys.argv[1:])
+    if command not in COMMANDS:
+        print(f"dpbench: error: unknown command {command!r}\n\n{usage()}", file=sys.stderr)
+        sys.exit(2)
+    # Imported on demand: each command's module is slow to import (matplotlib, Ray, the audit's
     # flags), and none of them imports this module (no cycle).
-    if len(sys.argv) > 1 and sys.argv[1] == "leaderboard":
+    if command == "board":
         from dpbench import board
-        sys.exit(board.main(sys.argv[2:]))
-    if len(sys.argv) > 1 and sys.argv[1] == "sweep":
+        sys.exit(board.main(rest))
+    if command == "sweep":
         from dpbench import sweep
-        sys.exit(sweep.main(sys.argv[2:]))
-    if len(sys.argv) > 1 and sys.argv[1] == "audit":
+        sys.exit(sweep.main(rest))
+    sys.argv = [f"{sys.argv[0]} {command}"] + rest
+    if command == "audit":
         from dpbench import audit
-        sys.argv = [f"{sys.argv[0]} audit"] + sys.argv[2:]
+        if {"-h", "--help"} & set(rest):
+            audit.define_flags()
+            sys.exit(_flags_help(command, COMMANDS[command], ("dpbench.config", "dpbench.audit")))
         audit.run()
         return
+    if {"-h", "--help"} & set(rest):
+        sys.exit(_flags_help(command, COMMANDS[command], ("dpbench.config", "dpbench.main")))
     app.run(main)
+
+
+def _flags_help(command: str, what: str, modules: tuple) -> int:
+    """absl's own --help lists the flags of ``__main__`` only, which for a console script is
+    the wrapper: print dpbench's flags of this command, with their meaning and default."""
+    print(f"usage: dpbench {command} [flags]\n\n{what}\n")
+    for module in modules:
+        print(FLAGS.module_help(module))
+    return 0
 
 
 if __name__ == "__main__":

@@ -300,16 +300,25 @@ def run_phase(name: str, jobs: list, args) -> list:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="dpbench sweep", description=__doc__.split("\n")[0])
-    parser.add_argument("--protocol", type=Path, default=REPO / "leaderboard" / "protocol.json")
-    parser.add_argument("--families", nargs="+", default=None)
-    parser.add_argument("--epsilons", nargs="+", type=float, default=None)
-    parser.add_argument("--methods", nargs="+", default=None)
-    parser.add_argument("--runs_dir", type=Path, default=REPO / "runs" / "sweep")
-    parser.add_argument("--records", type=Path, default=REPO / "leaderboard" / "records")
+    parser = argparse.ArgumentParser(prog="dpbench sweep", description=__doc__.split("\n")[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--protocol", type=Path, default=REPO / "leaderboard" / "protocol.json",
+                        help="the tuning protocol (families, methods, search spaces, trials)")
+    parser.add_argument("--families", nargs="+", default=None,
+                        help="only these model families of the protocol (default: all)")
+    parser.add_argument("--epsilons", nargs="+", type=float, default=None,
+                        help="only these target epsilons of the protocol (default: all)")
+    parser.add_argument("--methods", nargs="+", default=None,
+                        help="only these methods of the protocol (default: all)")
+    parser.add_argument("--runs_dir", type=Path, default=REPO / "runs" / "sweep",
+                        help="each trial's workdir and Ray Tune's state (a rerun resumes)")
+    parser.add_argument("--records", type=Path, default=REPO / "leaderboard" / "records",
+                        help="where finished trials publish their run records (the default is "
+                             "the committed board's)")
     parser.add_argument("--address", default=None, help="an existing Ray cluster's address")
     parser.add_argument("--cpus", type=int, default=None, help="CPUs of the local Ray instance")
-    parser.add_argument("--cpus_per_trial", type=float, default=1.0)
+    parser.add_argument("--cpus_per_trial", type=float, default=1.0,
+                        help="CPUs Ray reserves for each trial")
     parser.add_argument("--prepare_only", action="store_true",
                         help="write each group's search.json (trials, support events) and stop")
     parser.add_argument("--cost", action="store_true",

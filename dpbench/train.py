@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
-import fractions
 import json
 import math
-import secrets
 import time
 from pathlib import Path
 from typing import Any, Callable, NamedTuple, Optional, Sequence
@@ -18,10 +16,11 @@ import jax.numpy as jnp
 import numpy as np
 from absl import logging
 
-from dpbench import (accounting, checkpoint, compiler, data, models, numerics, records,
-                     sampling, sharding)
+from dpbench import (accounting, checkpoint, compiler, data, numerics, records, run_record,
+                     sharding)
 from dpbench.config import TrainConfig, pipeline_stages  # noqa: F401  (train.TrainConfig too)
-from dpbench.stages.base import Stage
+# train.build_run and train.total_steps_for stay the API the benchmark and tests call
+from dpbench.run import Run, build_run, run_settings, total_steps_for  # noqa: F401
 
 
 def _evaluate(apply_fn, params, split: data.Split, batch_size: int) -> float:
@@ -31,12 +30,6 @@ def _evaluate(apply_fn, params, split: data.Split, batch_size: int) -> float:
         labels = split.labels[start:start + batch_size]
         correct += int(apply_fn(params, images, labels))
     return correct / max(len(split), 1)
-
-
-def total_steps_for(epochs: float, dataset_size: int, batch_size: int) -> int:
-    """ceil(epochs * N / B), computed exactly on the decimal the user wrote for ``epochs``
-    (float rounding once made 30 * (50000 / 3000) = 500.00000000000006 into 501 steps)."""
-    return int(math.ceil(fractions.Fraction(str(epochs)) * dataset_size / batch_size))
 
 
 class WorkdirError(ValueError):
@@ -91,155 +84,6 @@ def _truncate_metrics(workdir: Path, last_step: int) -> None:
     rows = [r for r in records.read_metrics(workdir) if r.get("step", 0) <= last_step]
     records.atomic_write_text(workdir / records.METRICS_NAME,
                               "".join(json.dumps(r) + "\n" for r in rows))
-
-
-def not_covered(dataset: data.Dataset, config: TrainConfig) -> list:
-    """What a run touches that its epsilon does not protect, each with why (for the privacy
-    statement): the splits carved from the training set, tuning, the non-private diagnostics,
-    and, for a seeded benchmark run, the noise itself."""
-    if len(dataset.validation):
-        items = [dict(what=f"the validation split ({len(dataset.validation)} examples carved "
-                           "from the training set)",
-                      why="it chooses the reported model (the best validation step) and, in a "
-                          "sweep, the configuration; its individuals are not protected")]
-    else:  # a refit: every training example is private and protected by this run's epsilon
-        items = [dict(what="the choice of this run's settings",
-                      why="this run has no validation split (dataset.validation_size = 0) and "
-                          "reports its last step's model; its settings were chosen on a "
-                          "validation split in earlier runs on the same data, which is "
-                          "hyperparameter tuning (below)")]
-    if dataset.public is not None:
-        items.append(dict(what=f"the public split ({len(dataset.public)} examples carved from "
-                               "the training set)",
-                          why="declared public and read without noise (e.g. GEP's anchor "
-                              "gradients); its individuals are not protected"))
-    items += [
-        dict(what="the test split", why="its accuracy is reported without noise"),
-        dict(what="hyperparameter tuning",
-             why="choosing among several runs on the same private data costs privacy beyond "
-                 "this one run's epsilon, which does not include it"),
-        dict(what="the non-private diagnostics",
-             why="train loss, update norm, non-finite counts" + (
-                 " and the fidelity metrics" if config.fidelity_every_steps else "") +
-                 " are computed from private batches without noise, and so is the decision "
-                 "to stop a diverged run")]
-    if config.seed is not None:
-        items.append(dict(what=f"this run as a release (train.seed = {config.seed})",
-                          why="a benchmark run derives all its noise from the recorded seed, "
-                              "so anyone holding the record can regenerate the noise; a model "
-                              "meant to be released needs train.seed = None"))
-    return items
-
-
-def run_settings(*, pipeline_name, compiled, dataset, config: TrainConfig, budget,
-                 model_name) -> dict:
-    """Every setting a checkpoint's privacy ledger (and its model) depends on: resuming under a
-    change to any of them is refused."""
-    settings = dict(
-        pipeline=pipeline_name,
-        stages=compiled.plan.facts(),
-        dataset=dataset.name, features=dataset.features, dataset_size=len(dataset.train),
-        validation_size=len(dataset.validation),
-        public_size=0 if dataset.public is None else len(dataset.public),
-        model=model_name, batch_size=config.batch_size,
-        micro_batch_size=config.micro_batch_size, epochs=config.epochs,
-        total_steps=compiled.total_steps, sampler=compiled.sampler.describe(), seed=config.seed,
-        target_epsilon=budget.epsilon, delta=budget.delta, accountant=budget.accountant,
-        accountant_version=accounting.accountant_version(),
-        noise_multiplier=compiled.noise_multiplier,
-        init_noise_multiplier=compiled.init_noise_multiplier,
-        l2_sensitivity=compiled.sensitivity, ema_decay=config.ema_decay,
-        enforce_budget=config.enforce_budget)
-    return json.loads(records.to_json(settings))  # the form the ledger stores
-
-
-@dataclasses.dataclass(frozen=True)
-class Run:
-    """Everything a run builds before its first step: the data, model, sampler, keys and the
-    compiled pipeline (sigma calibrated). train() and the speed benchmark build it the same way."""
-
-    dataset: data.Dataset
-    model: object
-    model_name: str
-    sampler: object  # sampling.PoissonSampler or ShuffleSampler
-    mesh: jax.sharding.Mesh
-    compiled: compiler.CompiledPipeline
-    params_key: jax.Array
-    run_key: jax.Array
-    init_params: Callable
-    total_steps: int
-    steps_per_epoch: float
-    compile_s: float
-    inputs: tuple = ()  # what happens to an example before the model's first learned layer
-
-    def host_batch(self, step: int, stage_inputs: bool = True) -> dict:
-        """The sampler's batch for ``step`` (and the stages' host randomness), on the mesh."""
-        drawn = self.sampler.sample(step)
-        return sharding.put_batch(self.compiled.host_batch(
-            self.dataset.train.images[drawn.indices], self.dataset.train.labels[drawn.indices],
-            drawn.mask, step if stage_inputs else None), self.mesh)
-
-    def initial_state(self):
-        """The step's state at step 0, after any one-off accounted release before training
-        (DP-SNIP), which runs on a batch of the run's own sampler."""
-        release_batch = None
-        if self.compiled.needs_release_batch:
-            release_batch = self.host_batch(sampling.PRE_TRAINING_STEP, stage_inputs=False)
-        return self.compiled.init_state(self.init_params(self.params_key), self.run_key,
-                                        release_batch)
-
-
-def build_run(stages: Sequence[Stage], config: TrainConfig, budget: accounting.Budget,
-              model_config: Optional[models.ModelConfig] = None) -> Run:
-    """Loads the configured dataset and model, derives the keys from config.seed (from the OS
-    when it is None) and compiles the pipeline for the mesh over all devices."""
-    dataset = data.load_dataset()
-    n = len(dataset.train)
-    budget.validate(n)
-    model_config = models.ModelConfig() if model_config is None else model_config
-    model_config.check_features(dataset.features)
-    model = model_config.build(dataset.num_classes)
-    example_shape = dataset.input_shape
-
-    seed = config.seed if config.seed is not None else secrets.randbits(63)
-    seeds = np.random.SeedSequence(seed).generate_state(4)
-    params_key, run_key = jax.random.key(int(seeds[0])), jax.random.key(int(seeds[1]))
-    mesh = sharding.make_mesh()
-    sampler = sampling.make_sampler(n, config.batch_size, seed=int(seeds[2]),
-                                    pad_multiple=config.micro_batch_size)
-    steps_per_epoch = n / config.batch_size
-    total_steps = total_steps_for(config.epochs, n, config.batch_size)
-
-    def init_params(key):
-        return model.init(key, jnp.zeros((1,) + tuple(example_shape), jnp.float32))
-
-    t0 = time.time()
-    compiled = compiler.compile_pipeline(
-        stages, loss_fn=models.cross_entropy_loss(model), init_params=init_params,
-        example_shape=example_shape, sampler=sampler, budget=budget, total_steps=total_steps,
-        steps_per_epoch=max(int(round(steps_per_epoch)), 1),
-        micro_batch_size=config.micro_batch_size, mesh=mesh, ema_decay=config.ema_decay,
-        noise_multiplier=config.noise_multiplier,
-        public_images=None if dataset.public is None else dataset.public.images,
-        num_classes=dataset.num_classes,
-        linear_apply=model_config.linearized(dataset.num_classes).apply,
-        fidelity_diagnostics=config.fidelity_every_steps > 0, host_seed=int(seeds[3]),
-        model=model)
-    return Run(dataset=dataset, model=model, model_name=model_config.name, sampler=sampler,
-               mesh=mesh, compiled=compiled, params_key=params_key, run_key=run_key,
-               init_params=init_params, total_steps=total_steps,
-               steps_per_epoch=steps_per_epoch, compile_s=time.time() - t0,
-               inputs=tuple(describe_features(dataset.features) + model_config.describe_inputs()))
-
-
-def describe_features(features: dict) -> list:
-    """The dataset's feature transform for the privacy statement (nothing for raw pixels)."""
-    if features.get("kind") == "pixels":
-        return []
-    params = ", ".join(f"{k}={v}" for k, v in features.items() if k != "kind")
-    return [dict(what=f"{features['kind']} features of each example ({params})",
-                 why="a fixed transform of that example alone with data-independent filters: "
-                     "no privacy cost, no release")]
 
 
 @dataclasses.dataclass
@@ -479,30 +323,6 @@ def train(workdir: str | Path, config: Optional[TrainConfig] = None,
     return record
 
 
-def _privacy_statement(run: Run, budget, config: TrainConfig, end_step: int,
-                       epsilon: float) -> dict:
-    compiled, n = run.compiled, len(run.dataset.train)
-    return records.privacy_statement(
-        epsilon=epsilon, delta=budget.delta,
-        mechanisms=[accounting.mechanism_fields(m) for m in compiled.ledger(end_step)
-                    if m.count > 0],
-        sampler=dict(run.sampler.describe(), dataset_size=n), steps=end_step,
-        accountant=budget.accountant, accountant_version=accounting.accountant_version(),
-        accountant_settings=accounting.accountant_settings(budget),
-        accounting_note=accounting.accounting_note(compiled.run_event(end_step), budget),
-        not_covered=not_covered(run.dataset, config), inputs=list(run.inputs))
-
-
-def _fidelity_summary(config: TrainConfig, fidelity: dict) -> Optional[dict]:
-    if not config.fidelity_every_steps:
-        return None
-    cosine, ratio = fidelity["cosine"], fidelity["noise_to_signal"]
-    return dict(every_steps=config.fidelity_every_steps, samples=len(cosine),
-                cosine_mean=float(np.mean(cosine)) if cosine else None,
-                noise_to_signal_mean=float(np.mean(ratio)) if ratio else None,
-                non_private=True)
-
-
 def _run_record(loop: _Loop, state, progress: Progress, pipeline_name: str, gin_files,
                 budget, end_step: int, stop_reason: str) -> dict:
     """The run record: settings, privacy statement, accuracies, timings, versions."""
@@ -531,13 +351,13 @@ def _run_record(loop: _Loop, state, progress: Progress, pipeline_name: str, gin_
         final_params_fingerprint=numerics.params_fingerprint(state.params),
         host_numerics=numerics.host_numerics(),
         resumed_from_steps=progress.resumed_from, nonfinite_examples=progress.nonfinite_total,
-        fidelity=_fidelity_summary(config, progress.fidelity),
+        fidelity=run_record.fidelity_summary(config, progress.fidelity),
         dp_event=accounting.event_to_json(compiled.run_event(end_step)),
         settings_sha256=checkpoint.settings_digest(loop.settings), calibration_s=run.compile_s,
         median_step_s=float(np.median(steady)) if steady else None,
         versions=records.versions(), git_commit=records.git_commit(),
         devices=[str(d) for d in run.mesh.devices.flat],
-        privacy_statement=_privacy_statement(run, budget, config, end_step, epsilon),
+        privacy_statement=run_record.privacy_statement(run, budget, config, end_step, epsilon),
         non_private_outputs=["train_loss, update_norm and nonfinite_examples in metrics.jsonl "
                              "are diagnostics computed from private batches; they are not "
                              "released by the accounted mechanism"] + (

@@ -88,3 +88,46 @@ def test_missing_fashion_mnist_files_name_the_install_command(tmp_path, monkeypa
 def test_missing_gin_file_is_a_clear_error():
     with pytest.raises(config.ConfigError, match="not found"):
         config.parse_config(["pipelines/nope.gin"], [])
+
+
+def _cli(monkeypatch, *args) -> int:
+    from dpbench import main
+    monkeypatch.setattr(sys, "argv", ["dpbench", *args])
+    with pytest.raises(SystemExit) as done:
+        main.run()
+    return done.value.code
+
+
+@pytest.mark.parametrize("args,code", [((), 2), (("help",), 0), (("--help",), 0)])
+def test_the_cli_lists_its_commands(args, code, monkeypatch, capsys):
+    assert _cli(monkeypatch, *args) == code
+    out = capsys.readouterr()
+    text = out.out + out.err
+    for command in ("train", "audit", "sweep", "board"):
+        assert f"\n  {command} " in text
+    assert "dpbench COMMAND --help" in text
+
+
+def test_an_unknown_command_says_which_exist(monkeypatch, capsys):
+    assert _cli(monkeypatch, "trian", "--workdir=x") == 2
+    err = capsys.readouterr().err
+    assert "unknown command 'trian'" in err and "\n  train " in err
+
+
+@pytest.mark.parametrize("command,flag,default", [
+    ("train", "--workdir", None), ("train", "--gin_file", "(default: '[]')"),
+    ("board", "--records", "(default: leaderboard/records)"),
+    ("audit", "--claimed_epsilon", "(default: '3.0')")])
+def test_each_commands_help_gives_its_flags_with_their_defaults(command, flag, default,
+                                                                 monkeypatch, capsys):
+    if command == "audit":  # its absl flags (--out) would clash with another module's here
+        done = subprocess.run([sys.executable, "-c", "from dpbench.main import run; run()",
+                               command, "--help"], capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr
+        text = " ".join(done.stdout.split())
+    else:
+        assert _cli(monkeypatch, command, "--help") == 0
+        text = " ".join(capsys.readouterr().out.split())
+    assert flag in text
+    if default:
+        assert default in text

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from dp_accounting import dp_event
 
-from dpbench import accounting, checkpoint, config, data, records, train
+from dpbench import accounting, checkpoint, config, data, records, run_record, train
 from tests.conftest import REPO_ROOT
 
 
@@ -101,9 +101,9 @@ def built(case: str):
 
 
 def statement_with_pre_gep_sigma(run, budget, train_config, end_step, epsilon):
-    """Broken twin of train._privacy_statement: reports the sigma the release adds to each part
+    """Broken twin of run_record.privacy_statement: reports the sigma the release adds to each part
     (GEP's, before the sqrt(2) of its two parts) as the effective noise multiplier."""
-    statement = train._privacy_statement(run, budget, train_config, end_step, epsilon)
+    statement = run_record.privacy_statement(run, budget, train_config, end_step, epsilon)
     for m in statement["mechanisms"]:
         if m["kind"] == "gaussian":
             m["effective_noise_multiplier"] = m["noise_multiplier"]
@@ -111,9 +111,9 @@ def statement_with_pre_gep_sigma(run, budget, train_config, end_step, epsilon):
 
 
 def statement_with_realized_rate(run, budget, train_config, end_step, epsilon):
-    """Broken twin of train._privacy_statement: reports the sampling rate of the first batch
+    """Broken twin of run_record.privacy_statement: reports the sampling rate of the first batch
     the sampler drew whose size is not B (realized size / N), not the expected q = B / N."""
-    statement = train._privacy_statement(run, budget, train_config, end_step, epsilon)
+    statement = run_record.privacy_statement(run, budget, train_config, end_step, epsilon)
     n = len(run.dataset.train)
     size = next(s for s in (run.sampler.sample(t).size for t in range(end_step))
                 if s != train_config.batch_size)
@@ -159,7 +159,7 @@ def check_statement_is_the_ledger(statement, run, train_config, end_step):
         assert m["dataset_size"] == size and m["truncated_batch_size"] == truncated
 
 
-REAL, PRE_GEP, REALIZED = (train._privacy_statement, statement_with_pre_gep_sigma,
+REAL, PRE_GEP, REALIZED = (run_record.privacy_statement, statement_with_pre_gep_sigma,
                            statement_with_realized_rate)
 STATEMENT_PARAMS = [
     pytest.param(case, builder, id=f"{case}-{name}")

@@ -44,11 +44,17 @@ def build(records_dir, out_dir, audits_dir=None, perf_json=None, claims_json=Non
 
 def main(argv=None) -> int:
     import argparse
-    parser = argparse.ArgumentParser(prog="dpbench leaderboard", description=(
-        "The leaderboard: run records in, leaderboard/README.md + index.html + plots out."))
-    parser.add_argument("--records", default="leaderboard/records")
-    parser.add_argument("--audits", default="leaderboard/audits")
-    parser.add_argument("--out", default="leaderboard")
+    parser = argparse.ArgumentParser(prog="dpbench board", description=(
+        "The leaderboard: run records in, leaderboard/README.md + index.html + plots out."),
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--records", default="leaderboard/records",
+                        help="the run records, in group directories "
+                             "<dataset>__<model>__eps<E>__delta<D>")
+    parser.add_argument("--audits", default="leaderboard/audits",
+                        help="audit reports (dpbench audit --out=...), matched per pipeline and "
+                             "epsilon")
+    parser.add_argument("--out", default="leaderboard",
+                        help="where README.md, index.html and plots/ are written")
     parser.add_argument("--claims", default="leaderboard/claims.json",
                         help="each paper's claim, for the verdicts of v2 groups")
     parser.add_argument("--v1_records", default="leaderboard/archive/v1/records",

@@ -1,7 +1,7 @@
 """Where a pipeline's step spends its time, per XLA operation:
 ``python -m benchmarks.profile_ops --pipeline=dpsgd --batch_size=1024 [--top=25]``.
 
-Builds the pipeline exactly as the speed benchmark does (``speed.build_dp_run``: train.train's
+Builds the pipeline exactly as the speed benchmark does (``workers.build_dp_run``: train.train's
 own construction), runs ``--warmup`` steps, then traces ``--steps`` steps with the JAX profiler
 and sums the trace's events per operation of the compiled step (names found in the step's
 optimized HLO; the runtime's own events and Python frames are left out). Prints per operation:
@@ -22,7 +22,7 @@ from pathlib import Path
 
 from absl import app, flags
 
-from benchmarks import speed
+from benchmarks import workers
 
 FLAGS = flags.FLAGS
 # Its own flags; --steps (traced steps), --warmup, --data_gin, --model_gin and --bindings are
@@ -83,7 +83,7 @@ def profile(spec: dict, steps: int, warmup: int) -> tuple:
 
     from dpbench import sharding
 
-    run = speed.build_dp_run(spec)
+    run = workers.build_dp_run(spec)
     compiled, sampler, dataset, mesh = run["compiled"], run["sampler"], run["dataset"], run["mesh"]
 
     def batch(t):

@@ -2,6 +2,7 @@
 report logic on synthetic rows. No timing is asserted: only that the report holds the expected
 rows and columns with positive finite numbers."""
 
+import dataclasses
 import json
 import math
 import re
@@ -10,7 +11,8 @@ import types
 import jax
 import numpy as np
 
-from benchmarks import speed as bench
+from benchmarks import constants, plan, speed, workers
+from benchmarks import report as reporting
 
 COLUMNS = ["configuration", "B", "padded P", "ms/step (median of rounds)", "round medians",
            "min–max ms (one round)", "examples/s", "peak RSS (MiB)", "notes"]
@@ -34,12 +36,12 @@ def _number(cell: str) -> float:
 
 def test_harness_runs_tiny_configurations_and_writes_the_report(tmp_path):
     out = tmp_path / "bench.md"
-    options = bench.Options(
+    options = plan.Options(
         steps=3, warmup=1, batch_sizes=(64,), pipelines="dpsgd", out=str(out), skip_torch=True,
         micro_batch_sizes=((None, 64),), data_gin="gin/data/digits.gin", model_gin="gin/model/logistic.gin",
         logical_batch=0, calibration=False, main_job=False, command="pytest tests/test_bench.py", rounds=2,
         interleaved_steps=4)
-    report = bench.run_benchmark(options)
+    report = speed.run_benchmark(options)
 
     text = out.read_text()
     for section in ("## Command", "## Machine", "## Versions", "## Step times",
@@ -96,16 +98,16 @@ def test_harness_runs_tiny_configurations_and_writes_the_report(tmp_path):
 def test_rounds_aggregate_to_the_median_of_round_medians():
     rounds = [dict(ok=True, ms_median=m, peak_rss_mib=p) for m, p in ((30.0, 1.0), (10.0, 3.0),
                                                                       (20.0, 2.0))]
-    row = bench.aggregate_rounds(rounds)
+    row = reporting.aggregate_rounds(rounds)
     assert row["ms_median"] == 20.0 and row["round_medians"] == [30.0, 10.0, 20.0]
     assert row["peak_rss_mib"] == 3.0 and row["rounds_ok"] == 3
-    failed = bench.aggregate_rounds([dict(ok=False, error="x")])
+    failed = reporting.aggregate_rounds([dict(ok=False, error="x")])
     assert not failed["ok"]
     # a row run once (the main job: wall time, no step times) is kept as run (a KeyError on
     # 'ms_median' here once cost a whole benchmark run), and its log line says what it measured
     job = dict(ok=True, wall_time_s=171.5, steps=1612, test_accuracy=0.86, epsilon=3.0)
-    assert bench.aggregate_rounds([job]) == job
-    line = bench._summary_line(dict(kind="main_job"), job)
+    assert reporting.aggregate_rounds([job]) == job
+    line = reporting.summary_line(dict(kind="main_job"), job)
     assert "1612 steps" in line and "172 s" in line
 
 
@@ -137,7 +139,7 @@ def test_ratios_targets_and_failed_rows_from_synthetic_results():
         _row("dpbench dpsgd, logical batch 4096", "logical", 4096, 700.0, pipeline="dpsgd",
              peak=660.0),
     ]
-    ratios = bench.compute_ratios(rows, (256,))
+    ratios = reporting.compute_ratios(rows, (256,))
     entry = ratios["per_batch"]["256"]
     assert entry["opacus_best_mode"] == "ghost"
     assert math.isclose(entry["dpsgd_over_opacus_best"], 50 / 80)
@@ -151,7 +153,7 @@ def test_ratios_targets_and_failed_rows_from_synthetic_results():
         pld=dict(seconds_median=4.0, seconds_first=4.0, seconds_all=[4.0], sigma=1.0)),
         epsilon=3.0, delta=1e-5, epochs=30, expected_batch_size=1024, padded_batch_size=1280,
         dataset_size=55000, total_steps=1612)
-    found = {t["target"]: t["holds"] for t in bench.targets(ratios, calibration)}
+    found = {t["target"]: t["holds"] for t in reporting.targets(ratios, calibration)}
     assert found["B=256: dpbench DP-SGD <= 1.0x Opacus best mode (ghost)"] is True
     assert found["B=256: dpbench DP-SGD <= 1.10x non-private torch"] is False  # 1.25x
     assert found["B=256: dpbench rs <= 1.15x DP-SGD"] is False
@@ -161,15 +163,15 @@ def test_ratios_targets_and_failed_rows_from_synthetic_results():
     assert found["sigma calibration with RDP <= 1 s"] is True
     assert found["sigma calibration with PLD <= 3 s"] is False
     assert found["main job (30 epochs) wall time <= 240 s"] is None  # not run
-    job = {t["target"]: t["holds"] for t in bench.targets(
+    job = {t["target"]: t["holds"] for t in reporting.targets(
         ratios, calibration, dict(ok=True, wall_time_s=250.0))}
     assert job["main job (30 epochs) wall time <= 240 s"] is False
 
-    report = dict(command="cmd", started="now", machine=bench.machine_facts(),
-                  versions=bench.versions(), options=bench.dataclasses.asdict(bench.Options()),
+    report = dict(command="cmd", started="now", machine=reporting.machine_facts(),
+                  versions=reporting.versions(), options=dataclasses.asdict(plan.Options()),
                   torch_note="synthetic", rows=rows, calibration=calibration, ratios=ratios,
-                  targets=bench.targets(ratios, calibration))
-    text = bench.render(report)
+                  targets=reporting.targets(ratios, calibration))
+    text = reporting.render(report)
     table = _table(text, "| configuration |")
     assert table[0] == COLUMNS and len(table) == 2 + len(rows)
     failed = [r for r in table[2:] if r[0] == "Opacus DP-SGD (ew)"][0]
@@ -190,7 +192,7 @@ def test_torch_twin_computes_the_same_function_as_the_tanh_cnn():
     model = models.make_model(10, name="tanh_cnn")
     images = np.random.default_rng(0).uniform(size=(5, 28, 28, 1)).astype(np.float32)
     params = model.init(jax.random.key(0), images[:1])["params"]
-    twin = bench.make_torch_tanh_cnn(10)
+    twin = workers.make_torch_tanh_cnn(10)
     assert sum(p.numel() for p in twin.parameters()) == sum(
         x.size for x in jax.tree.leaves(params)) == 26010
 
@@ -210,7 +212,7 @@ def test_torch_twin_computes_the_same_function_as_the_tanh_cnn():
         ours = np.asarray(model.apply({"params": params}, images))
         fake = types.SimpleNamespace(train=types.SimpleNamespace(
             images=images, labels=np.zeros(5, np.int32)))
-        batch, _ = bench._torch_batch(torch, fake, np.arange(5))
+        batch, _ = workers._torch_batch(torch, fake, np.arange(5))
         # NCHW strides, not the channels_last ones a 1-channel transposed view would get (with
         # those, Opacus's hooks-mode conv grad sampler returns wrong per-sample gradients).
         assert batch.stride() == (784, 784, 28, 1)
@@ -219,12 +221,12 @@ def test_torch_twin_computes_the_same_function_as_the_tanh_cnn():
 
 
 def test_micro_batch_sizes_per_batch_size_with_a_default():
-    sizes = bench.parse_micro_batch_sizes(["256:64", "128"])
+    sizes = plan.parse_micro_batch_sizes(["256:64", "128"])
     assert sizes == ((256, 64), (None, 128))
-    options = bench.Options(micro_batch_sizes=sizes)
-    assert bench.micro_batch_size_for(options, 256) == 64
-    assert bench.micro_batch_size_for(options, 1024) == 128
-    assert "train.micro_batch_size = 64" in bench._bindings(options, 256)
+    options = plan.Options(micro_batch_sizes=sizes)
+    assert plan.micro_batch_size_for(options, 256) == 64
+    assert plan.micro_batch_size_for(options, 1024) == 128
+    assert "train.micro_batch_size = 64" in plan._bindings(options, 256)
 
 
 def test_the_gep_floor_gives_its_own_target_line_and_ratio():
@@ -233,16 +235,16 @@ def test_the_gep_floor_gives_its_own_target_line_and_ratio():
     when the floor fails it, no implementation of the step can meet it on this machine."""
     def rows(floor_ms):
         return [_row("dpbench dpsgd", "dpbench", 256, 50.0, pipeline="dpsgd"),
-                _row(bench.FLOOR_LABEL, "floor", 256, floor_ms, pipeline="gep",
+                _row(constants.FLOOR_LABEL, "floor", 256, floor_ms, pipeline="gep",
                      setting="light")]
-    name = f"B=256: {bench.FLOOR_LABEL} <= 2.5x DP-SGD"
+    name = f"B=256: {constants.FLOOR_LABEL} <= 2.5x DP-SGD"
     for floor_ms, holds in ((150.0, False), (100.0, True)):
-        ratios = bench.compute_ratios(rows(floor_ms), (256,))
+        ratios = reporting.compute_ratios(rows(floor_ms), (256,))
         assert math.isclose(ratios["per_batch"]["256"]["gep_floor_over_dpsgd"], floor_ms / 50)
         assert "dpbench gep (light)" not in ratios["per_batch"]["256"]["methods"]
-        assert {t["target"]: t["holds"] for t in bench.targets(ratios, None)}[name] is holds
-    without = bench.compute_ratios(rows(100.0)[:1], (256,))
-    assert not any(bench.FLOOR_LABEL in t["target"] for t in bench.targets(without, None))
+        assert {t["target"]: t["holds"] for t in reporting.targets(ratios, None)}[name] is holds
+    without = reporting.compute_ratios(rows(100.0)[:1], (256,))
+    assert not any(constants.FLOOR_LABEL in t["target"] for t in reporting.targets(without, None))
 
 
 def test_the_gep_floor_times_the_products_of_the_pipelines_own_shapes():
@@ -255,8 +257,8 @@ def test_the_gep_floor_times_the_products_of_the_pipelines_own_shapes():
                 "gep.embed_and_clip.num_basis = 20"]
     spec = dict(gin_files=["pipelines/gep.gin", "gin/data/digits.gin"], bindings=bindings,
                 noise_multiplier=1.0, steps=2, warmup=1)
-    result = bench.worker_gep_floor(spec)
-    params = bench.build_dp_run(spec)["state"].params["params"]
+    result = workers.worker_gep_floor(spec)
+    params = workers.build_dp_run(spec)["state"].params["params"]
     sizes = {layer: sum(x.size for x in jax.tree.leaves(sub)) for layer, sub in params.items()}
     ks = gep.basis_sizes(sizes, 20, 48)
     assert result["basis_per_group"] == ks and result["num_anchors"] == 48
@@ -284,12 +286,12 @@ def test_the_jax_non_private_gradient_accumulated_over_micro_batches_is_the_batc
 
     whole = jax.jit(jax.value_and_grad(mean_loss))(params, images, labels)
     for chunk in (4, 5, 12, 64):
-        got = jax.jit(lambda p, x, y: bench.accumulated_value_and_grad(
+        got = jax.jit(lambda p, x, y: workers.accumulated_value_and_grad(
             mean_loss, p, x, y, chunk))(params, images, labels)
         for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(whole)):
             np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
     # a wrong average (sum of chunk means, not their mean) is caught
-    chunked = bench.accumulated_value_and_grad(mean_loss, params, images, labels, 4)
+    chunked = workers.accumulated_value_and_grad(mean_loss, params, images, labels, 4)
     assert not np.allclose(chunked[0] * 3, whole[0])
 
 
@@ -299,6 +301,6 @@ def test_cpu_facts_name_the_vector_extensions():
     info = ("processor\t: 0\nmodel name\t: Intel(R) Xeon(R) Processor\n"
             "flags\t\t: fpu sse2 avx avx2 fma avx512f avx512_bf16 amx_tile\n"
             "processor\t: 1\nmodel name\t: other\nflags\t\t: fpu\n")
-    assert bench.cpu_facts(info) == ("Intel(R) Xeon(R) Processor",
+    assert reporting.cpu_facts(info) == ("Intel(R) Xeon(R) Processor",
                                      ["avx2", "fma", "avx512f", "avx512_bf16", "amx_tile"])
-    assert bench.cpu_facts("model name\t: old\nflags\t\t: sse2 avx\n") == ("old", [])
+    assert reporting.cpu_facts("model name\t: old\nflags\t\t: sse2 avx\n") == ("old", [])

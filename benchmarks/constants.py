@@ -1,0 +1,18 @@
+"""What the speed benchmark's modules share: paths, the method families, names."""
+
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+PIPELINE_DIR = REPO_ROOT / "pipelines"
+OPACUS_MODES = ("hooks", "ew", "functorch", "ghost")
+# The GEP settings: pipelines/gep.gin as is (light), and the paper's MNIST setting
+# (docs/methods/gep.md section 5: m = 2000 anchors, k picked from {250, 500, 750, 1000}, one
+# power iteration, basis recomputed every step).
+GEP_FAMILY = ("gep", "bgep")
+FLOOR_LABEL = "GEP light's floor (its matrix products alone)"
+VERSION_PACKAGES = ("jax", "jaxlib", "flax", "optax", "dp-accounting", "numpy", "torch",
+                    "opacus")
+COMMAND_ENV = "DPBENCH_BENCH_COMMAND"  # set by tools/bench.sh: the shell command to record
+ONCE = ("calibration", "main_job", "interleaved")
+TIMED = ("jax_nonprivate", "torch_nonprivate", "opacus", "dp", "gep_floor")  # with a step time
+SPEC_KEYS = ("label", "group", "kind", "batch_size", "pipeline", "setting", "mode")

@@ -1,0 +1,453 @@
+"""The speed benchmark's workers: each configuration measured in its own process
+(``python -m benchmarks.speed --worker=spec.json``), so its peak memory is its own."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+import numpy as np
+
+from benchmarks import interleave
+from benchmarks.constants import SPEC_KEYS
+
+
+# ---------------------------------------------------------------------------------------------
+# Measurements inside one worker process
+# ---------------------------------------------------------------------------------------------
+
+def peak_rss_mib() -> float:
+    """This process's resident-memory high-water mark, in MiB (stdlib ``resource``: ru_maxrss
+    is the same VmHWM the kernel keeps, in KiB on Linux)."""
+    import resource
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+
+
+# One timing loop for every worker: alone, its steps back to back; inside an interleaved run,
+# one step per turn (benchmarks/interleave.py).
+_summary = interleave.summary
+_timed_loop = interleave.timed_loop
+
+
+def _parse(spec: dict, with_sigma: bool):
+    from dpbench import config as dpconfig
+    bindings = list(spec["bindings"])
+    if with_sigma and spec.get("noise_multiplier") is not None:
+        bindings.append(f"train.noise_multiplier = {float(spec['noise_multiplier'])!r}")
+    dpconfig.parse_config(spec["gin_files"], bindings)
+
+
+def build_dp_run(spec: dict):
+    """What train.train builds up to the compiled step and its initial state, the same way.
+
+    Returns a dict with the pieces the timing loop needs. Sigma: spec['noise_multiplier'] (bound
+    as train.noise_multiplier, as a user would) unless a stage declares a budgeted mechanism of
+    its own (GIP), which needs the target epsilon: those take the calibrated path.
+    """
+    from dpbench import accounting, compiler, train
+
+    _parse(spec, with_sigma=False)
+    _, probe = train.pipeline_stages()
+    calibrated = spec.get("noise_multiplier") is None or any(
+        s.cost is not None for s in probe)
+    if not calibrated:
+        _parse(spec, with_sigma=True)
+
+    # Built exactly as train.train builds it (no workdir, no checkpoints).
+    config = train.TrainConfig()
+    config.validate()
+    budget = accounting.Budget()
+    pipeline_name, stages = train.pipeline_stages()
+    compiler.validate_pipeline(stages)
+    run = train.build_run(stages, config, budget)
+    return dict(config=config, budget=budget, pipeline_name=pipeline_name, dataset=run.dataset,
+                model=run.model, sampler=run.sampler, mesh=run.mesh, compiled=run.compiled,
+                state=run.initial_state(), total_steps=run.total_steps, calibrated=calibrated,
+                compile_pipeline_s=run.compile_s)
+
+def _param_count(params) -> int:
+    import jax
+    return int(sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params)))
+
+
+def worker_dp(spec: dict) -> dict:
+    """One dpbench pipeline: the compiled step on the sampler's padded batches."""
+    import jax
+
+    from dpbench import sharding
+
+    run = build_dp_run(spec)
+    compiled, sampler, dataset, mesh = run["compiled"], run["sampler"], run["dataset"], run["mesh"]
+    num = spec["warmup"] + spec["steps"]
+    samples = [sampler.sample(t) for t in range(num)]  # sampled before the loop
+    holder = {"state": run["state"], "metrics": None}
+
+    def prepare(t):
+        s = samples[t]
+        batch = sharding.put_batch(compiled.host_batch(
+            dataset.train.images[s.indices], dataset.train.labels[s.indices], s.mask, t), mesh)
+        return jax.block_until_ready(batch)
+
+    def run_step(batch):
+        holder["state"], holder["metrics"] = compiled.step(holder["state"], batch)
+        jax.block_until_ready((holder["state"], holder["metrics"]))
+
+    timing = _timed_loop(spec["steps"], spec["warmup"], prepare, run_step)
+    loss = float(holder["metrics"]["train_loss"])
+    sizes = [s.size for s in samples]
+    micro = compiled.micro_batch_size
+    return dict(
+        timing, pipeline=run["pipeline_name"], dataset_size=len(dataset.train),
+        expected_batch_size=sampler.expected_batch_size,
+        padded_batch_size=sampler.padded_batch_size, micro_batch_size=micro,
+        micro_steps=compiled.micro_steps, realized_mean=float(np.mean(sizes)),
+        nonempty_micro_batches_mean=float(np.mean([math.ceil(z / micro) for z in sizes])),
+        noise_multiplier=compiled.noise_multiplier, sigma_calibrated=run["calibrated"],
+        sensitivity=compiled.sensitivity, total_steps=run["total_steps"],
+        compile_pipeline_s=run["compile_pipeline_s"], final_train_loss=loss,
+        param_count=_param_count(holder["state"].params),
+        stages=compiled.plan.facts())
+
+
+def accumulated_value_and_grad(loss_fn, params, images, labels, chunk: int):
+    """(the batch's mean loss, its gradient), summed over consecutive chunks of ``chunk``
+    examples in a scan (each chunk's mean, averaged): the same values as one value_and_grad of
+    the whole batch when chunk divides B, without XLA CPU's slowdown once a whole-batch step's
+    activations outgrow the cache (B=1024: ~2.6x slower in one piece). The whole batch at once
+    when chunk does not divide B."""
+    import jax
+    import jax.numpy as jnp
+
+    b = images.shape[0]
+    if chunk >= b or b % chunk:
+        return jax.value_and_grad(loss_fn)(params, images, labels)
+    xs = images.reshape((b // chunk, chunk) + images.shape[1:])
+    ys = labels.reshape(b // chunk, chunk)
+
+    def add(total, xy):
+        return jax.tree.map(jnp.add, total, jax.value_and_grad(loss_fn)(params, *xy)), None
+
+    zeros = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params))
+    total, _ = jax.lax.scan(add, zeros, (xs, ys))
+    return jax.tree.map(lambda v: v / (b // chunk), total)
+
+
+def worker_jax_nonprivate(spec: dict) -> dict:
+    """Same model and optax optimizer; plain mean-loss gradient on exactly B examples,
+    accumulated over the micro-batches dpbench's rows use; jitted."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+
+    from dpbench import data, models, train
+    from dpbench.stages import optimize
+
+    _parse(spec, with_sigma=False)
+    config = train.TrainConfig()
+    _, stages = train.pipeline_stages()
+    dataset = data.load_dataset()
+    n = len(dataset.train)
+    model = models.ModelConfig().build(dataset.num_classes)
+    total_steps = train.total_steps_for(config.epochs, n, config.batch_size)
+    opt_options = stages[-1].options  # optimize.optax, built as its stage builds it
+    transform = optimize.make_optimizer(
+        opt_options["optimizer"],
+        optimize.make_schedule(opt_options["schedule"], opt_options["learning_rate"],
+                               total_steps, opt_options["warmup_steps"]),
+        opt_options["momentum"], opt_options["nesterov"])
+    seeds = np.random.SeedSequence(config.seed if config.seed is not None else 0
+                                   ).generate_state(3)
+    params = model.init(jax.random.key(int(seeds[0])),
+                        jnp.zeros((1,) + dataset.input_shape, jnp.float32))
+    opt_state = transform.init(params)
+
+    def mean_loss(p, images, labels):
+        return jnp.mean(optax.softmax_cross_entropy_with_integer_labels(
+            model.apply(p, images), labels))
+
+    def plain_step(p, s, images, labels):
+        loss, grads = accumulated_value_and_grad(mean_loss, p, images, labels,
+                                                 config.micro_batch_size)
+        updates, s = transform.update(grads, s, p)
+        return optax.apply_updates(p, updates), s, loss
+
+    step = jax.jit(plain_step, donate_argnums=(0, 1))
+    b = config.batch_size
+    indices = fixed_size_batches(n, b, int(seeds[2]), spec["warmup"] + spec["steps"])
+    holder = {"p": params, "s": opt_state, "loss": None}
+
+    def prepare(t):
+        idx = indices[t]
+        return jax.block_until_ready((jax.device_put(dataset.train.images[idx]),
+                                      jax.device_put(dataset.train.labels[idx])))
+
+    def run_step(batch):
+        holder["p"], holder["s"], holder["loss"] = step(holder["p"], holder["s"], *batch)
+        jax.block_until_ready((holder["p"], holder["s"], holder["loss"]))
+
+    timing = _timed_loop(spec["steps"], spec["warmup"], prepare, run_step)
+    return dict(timing, dataset_size=n, expected_batch_size=b, padded_batch_size=b,
+                final_train_loss=float(holder["loss"]), param_count=_param_count(holder["p"]))
+
+
+def fixed_size_batches(n: int, b: int, seed: int, count: int) -> list:
+    """count batches of exactly b distinct indices (the non-private rows' batches)."""
+    return [np.random.default_rng([seed, t]).choice(n, size=b, replace=False)
+            for t in range(count)]
+
+
+def make_torch_tanh_cnn(num_classes: int = 10, center_inputs: bool = True):
+    """dpbench.models.TanhCNN in torch (NCHW), layer for layer: conv 16@8x8 stride 2 'SAME'
+    (padding 3 on 28x28), tanh, max-pool 2 stride 1, conv 32@4x4 stride 2 'VALID', tanh,
+    max-pool 2 stride 1, dense 512 -> 32, tanh, dense 32 -> classes; 26,010 parameters."""
+    import torch
+    from torch import nn
+    import torch.nn.functional as F
+
+    class TorchTanhCNN(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv0 = nn.Conv2d(1, 16, 8, stride=2, padding=3)
+            self.conv1 = nn.Conv2d(16, 32, 4, stride=2)
+            self.fc0 = nn.Linear(32 * 4 * 4, 32)
+            self.fc1 = nn.Linear(32, num_classes)
+
+        def forward(self, x):
+            if center_inputs:
+                x = 2.0 * x - 1.0
+            x = F.max_pool2d(torch.tanh(self.conv0(x)), 2, 1)
+            x = F.max_pool2d(torch.tanh(self.conv1(x)), 2, 1)
+            x = torch.tanh(self.fc0(x.flatten(1)))
+            return self.fc1(x)
+
+    return TorchTanhCNN()
+
+
+def _torch_setup(spec: dict):
+    import torch
+
+    from dpbench import data, sampling
+
+    torch.set_num_threads(int(spec["torch_threads"]))
+    torch.manual_seed(0)
+    dataset = data.load_dataset(**spec["dataset_kwargs"])
+    model = make_torch_tanh_cnn(dataset.num_classes, spec["model"]["center_inputs"])
+    hyper = spec["optimizer"]
+    if hyper["optimizer"] == "adam":
+        optimizer = torch.optim.Adam(model.parameters(), lr=hyper["learning_rate"])
+    else:
+        momentum = hyper["momentum"] if hyper["optimizer"] == "momentum" else 0.0
+        optimizer = torch.optim.SGD(model.parameters(), lr=hyper["learning_rate"],
+                                    momentum=momentum,
+                                    nesterov=bool(hyper["nesterov"]) and momentum > 0)
+    n = len(dataset.train)
+    seeds = np.random.SeedSequence(spec["seed"]).generate_state(3)
+    sampler = sampling.PoissonSampler(n, spec["batch_size"], seed=int(seeds[2]),
+                                      pad_multiple=spec["micro_batch_size"])
+    return torch, dataset, model, optimizer, sampler, seeds
+
+
+def _torch_batch(torch, dataset, idx):
+    """NHWC float32 images -> a torch NCHW tensor with standard (NCHW-contiguous) strides.
+
+    Not np.ascontiguousarray(x.transpose(0, 3, 1, 2)): with one channel numpy calls that view
+    contiguous already and keeps its strides, torch then sees a channels_last tensor, the convs
+    run channels_last, and Opacus's unfold-based conv grad sampler (hooks, ghost), which assumes
+    NCHW strides, returns wrong per-sample gradients.
+    """
+    x = dataset.train.images[idx]
+    images = np.empty((x.shape[0], x.shape[3], x.shape[1], x.shape[2]), np.float32)
+    images[...] = x.transpose(0, 3, 1, 2)
+    return (torch.from_numpy(images),
+            torch.from_numpy(dataset.train.labels[idx].astype(np.int64)))
+
+
+def _torch_train_step(model, optimizer, criterion, holder: dict):
+    """One torch training step on (images, labels); the loss lands in holder['loss']."""
+    model.train()
+
+    def run_step(batch):
+        images, labels = batch
+        optimizer.zero_grad(set_to_none=True)
+        loss = criterion(model(images), labels)
+        loss.backward()
+        optimizer.step()
+        holder["loss"] = loss
+
+    return run_step
+
+
+def worker_torch_nonprivate(spec: dict) -> dict:
+    torch, dataset, model, optimizer, _, seeds = _torch_setup(spec)
+    criterion = torch.nn.CrossEntropyLoss()
+    n, b = len(dataset.train), spec["batch_size"]
+    indices = fixed_size_batches(n, b, int(seeds[2]), spec["warmup"] + spec["steps"])
+    holder = {}
+    run_step = _torch_train_step(model, optimizer, criterion, holder)
+
+    timing = _timed_loop(spec["steps"], spec["warmup"],
+                         lambda t: _torch_batch(torch, dataset, indices[t]), run_step)
+    return dict(timing, dataset_size=n, expected_batch_size=b, padded_batch_size=b,
+                final_train_loss=float(holder["loss"]), torch_threads=torch.get_num_threads(),
+                param_count=int(sum(p.numel() for p in model.parameters())))
+
+
+def worker_opacus(spec: dict) -> dict:
+    """Opacus DP-SGD (flat clip, Gaussian noise) on the same realized Poisson batches as dpbench:
+    the batch is handed to the step directly, as dpbench's is (data already in memory); the
+    DataLoader is only what make_private needs to set the sampling rate."""
+    torch, dataset, model, optimizer, sampler, _ = _torch_setup(spec)
+    from opacus import PrivacyEngine
+    from torch.utils.data import DataLoader, TensorDataset
+
+    n, b, mode = len(dataset.train), spec["batch_size"], spec["mode"]
+    param_count = int(sum(p.numel() for p in model.parameters()))
+    loader = DataLoader(TensorDataset(torch.arange(n)), batch_size=b)
+    engine = PrivacyEngine()
+    made = engine.make_private(
+        module=model, optimizer=optimizer, criterion=torch.nn.CrossEntropyLoss(),
+        data_loader=loader, noise_multiplier=float(spec["noise_multiplier"]),
+        max_grad_norm=float(spec["l2_bound"]), poisson_sampling=True, grad_sample_mode=mode)
+    if len(made) == 4:
+        model, optimizer, criterion, _ = made
+    else:
+        model, optimizer, _ = made
+        criterion = torch.nn.CrossEntropyLoss()
+    samples = [sampler.sample(t) for t in range(spec["warmup"] + spec["steps"])]
+    holder = {}
+    run_step = _torch_train_step(model, optimizer, criterion, holder)
+
+    timing = _timed_loop(
+        spec["steps"], spec["warmup"],
+        lambda t: _torch_batch(torch, dataset, samples[t].indices[:samples[t].size]), run_step)
+    loss = float(holder["loss"].detach()) if hasattr(holder["loss"], "detach") else float(
+        holder["loss"])
+    return dict(timing, dataset_size=n, expected_batch_size=b,
+                padded_batch_size=None, realized_mean=float(np.mean([s.size for s in samples])),
+                opacus_expected_batch_size=getattr(optimizer, "expected_batch_size", None),
+                final_train_loss=loss, torch_threads=torch.get_num_threads(),
+                param_count=param_count)
+
+
+def worker_calibration(spec: dict) -> dict:
+    """Times accounting.calibrate_noise_multiplier on the DP-SGD run's event, exactly the call
+    compile_pipeline makes with noise_multiplier=None, once per accountant and repeat."""
+    from dpbench import accounting
+
+    run = build_dp_run(dict(spec, noise_multiplier=1.0))  # built once; calibration timed below
+    compiled, base = run["compiled"], run["budget"]
+    out = {}
+    for accountant in spec["accountants"]:
+        budget = dataclasses.replace(base, accountant=accountant)
+        make_event = compiled.accounting.event_at  # noqa: E731
+        times, sigma = [], None
+        for _ in range(spec["repeats"]):
+            start = time.perf_counter()
+            sigma = accounting.calibrate_noise_multiplier(make_event, budget)
+            times.append(time.perf_counter() - start)
+        out[accountant] = dict(seconds_median=float(np.median(times)),
+                               seconds_first=times[0], seconds_all=times, sigma=sigma)
+    return dict(calibration=out, epsilon=base.epsilon, delta=base.delta,
+                dataset_size=compiled.sampler.dataset_size,
+                expected_batch_size=compiled.sampler.expected_batch_size,
+                padded_batch_size=compiled.sampler.padded_batch_size,
+                total_steps=compiled.total_steps, epochs=run["config"].epochs)
+
+
+def worker_main_job(spec: dict) -> dict:
+    """The README's main job (DP-SGD on Fashion-MNIST, 30 epochs, the pipeline's own settings)
+    trained by train.train in a temporary workdir; its run record's wall time is the target."""
+    from dpbench import config, train
+
+    config.parse_config(spec["gin_files"], list(spec["bindings"]))
+    with tempfile.TemporaryDirectory(prefix="dpbench-main-job-") as tmp:
+        record = train.train(Path(tmp) / "run", gin_files=spec["gin_files"])
+    return {k: record[k] for k in ("wall_time_s", "test_accuracy", "validation_accuracy",
+                                   "epsilon", "steps", "median_step_s", "noise_multiplier",
+                                   "calibration_s")}
+
+
+
+def gep_floor_shapes(run: dict) -> dict:
+    """The GEP light step's matrix shapes: {group: (p_g, k_g)}, the anchor count m and the
+    step's expected batch B, read off the compiled GEP pipeline and its parameters."""
+    from dpbench.stages import gep
+
+    (stage,) = [f for f in run["compiled"].plan.facts() if f["name"] == "gep.embed_and_clip"]
+    groups = gep._groups(run["state"].params)
+    shapes = {g: (_param_count(groups[g]), int(k))
+              for g, k in sorted(stage["basis_per_group"].items())}
+    return dict(groups=shapes, num_anchors=int(stage["num_anchors"]),
+                batch_size=int(round(run["sampler"].expected_batch_size)))
+
+
+def worker_gep_floor(spec: dict) -> dict:
+    """A lower bound, on this machine, for any implementation of GEP's light step: only the
+    matrix products the method cannot avoid, timed like a step. Per parameter group g (p_g
+    coordinates, k_g basis vectors): the power iteration's two products over the m anchor
+    gradients, (G B0^T)^T G (4 m p_g k_g FLOPs), and the embedding of the step's B examples
+    (2 B p_g k_g), each one jitted product on random inputs of those shapes. Not counted:
+    anchor and per-example gradients, the QR, the residual, the noise, the optimizer. When this
+    alone exceeds a GEP target, no GEP step here can meet it."""
+    import jax
+
+    shapes = gep_floor_shapes(build_dp_run(spec))
+    m, b = shapes["num_anchors"], shapes["batch_size"]
+    key = jax.random.PRNGKey(0)
+    inputs = {}
+    for i, (g, (p, k)) in enumerate(shapes["groups"].items()):
+        ka, ks, kx = jax.random.split(jax.random.fold_in(key, i), 3)
+        inputs[g] = (jax.random.normal(ka, (m, p)), jax.random.normal(ks, (k, p)),
+                     jax.random.normal(kx, (b, p)))
+
+    @jax.jit
+    def products(inputs):
+        return {g: ((anchors @ start.T).T @ anchors, examples @ start.T)
+                for g, (anchors, start, examples) in inputs.items()}
+
+    def run_step(_):
+        jax.block_until_ready(products(inputs))
+
+    timing = _timed_loop(spec["steps"], spec["warmup"], lambda t: None, run_step)
+    flops = sum((4 * m + 2 * b) * p * k for p, k in shapes["groups"].values())
+    rate = flops / (timing["ms_median"] * 1e-3) if timing.get("ms_median") else None
+    return dict(timing, pipeline="gep", flops=flops, gflop_per_s=None if rate is None else
+                rate / 1e9, num_anchors=m, expected_batch_size=b,
+                basis_per_group={g: k for g, (_, k) in shapes["groups"].items()})
+
+
+def worker_interleaved(spec: dict) -> dict:
+    """Every timed configuration of one batch size in this one process, their steps interleaved
+    (benchmarks/interleave.py): the ratios' measurement. Each member is its own worker, built
+    as when it runs alone."""
+    members = [(m["label"], (lambda m=m: WORKERS[m["kind"]](m))) for m in spec["members"]]
+    out = interleave.run_interleaved(members, spec["steps"], spec["blocks"], spec["pause_s"])
+    for member, m in zip(out, spec["members"]):
+        member["spec"] = {k: v for k, v in m.items() if k in SPEC_KEYS}
+        member["result"] = {k: v for k, v in (member["result"] or {}).items()
+                            if k in ("final_train_loss", "realized_mean", "padded_batch_size")}
+    return dict(members=out, steps=spec["steps"], blocks=spec["blocks"],
+                pause_s=spec["pause_s"])
+
+
+WORKERS = {"dp": worker_dp, "jax_nonprivate": worker_jax_nonprivate,
+           "torch_nonprivate": worker_torch_nonprivate, "opacus": worker_opacus,
+           "calibration": worker_calibration, "main_job": worker_main_job,
+           "interleaved": worker_interleaved, "gep_floor": worker_gep_floor}
+# kinds run in the first round only (seconds, not ms/step; the interleaved run has its own)
+
+
+def run_worker(spec_path: str) -> None:
+    spec = json.loads(Path(spec_path).read_text())
+    try:
+        result = dict(WORKERS[spec["kind"]](spec), ok=True)
+    except Exception as e:  # noqa: BLE001 (recorded as a failed row, never a crash)
+        result = dict(ok=False, error=f"{type(e).__name__}: {e}".strip(),
+                      traceback=traceback.format_exc())
+    result["peak_rss_mib"] = peak_rss_mib()
+    Path(spec["result_path"]).write_text(json.dumps(result))

@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 from typing import Optional, Sequence
 
-from benchmarks.constants import (FLOOR_LABEL, GEP_FAMILY, OPACUS_MODES, PIPELINE_DIR,
+from benchmarks.common import (FLOOR_LABEL, GEP_FAMILY, OPACUS_MODES, PIPELINE_DIR,
                                  REPO_ROOT, TIMED)
 
 

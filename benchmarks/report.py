@@ -6,14 +6,13 @@ from __future__ import annotations
 import json
 import math
 import os
-import platform
 from pathlib import Path
 from typing import Optional, Sequence
 
 import numpy as np
 
-from benchmarks.constants import FLOOR_LABEL, GEP_FAMILY, ONCE, VERSION_PACKAGES
-
+from benchmarks.common import FLOOR_LABEL, GEP_FAMILY, ONCE
+from benchmarks.machine import extensions_text
 
 
 def _finite_positive(x) -> bool:
@@ -111,51 +110,6 @@ def targets(ratios: dict, calibration: Optional[dict], main_job: Optional[dict] 
     job = main_job if main_job and main_job.get("ok") else {}
     add("main job (30 epochs) wall time <= 240 s", job.get("wall_time_s"), 240.0, "s")
     return lines
-
-
-# The CPU's vector extensions that decide how fast matrix products run (torch's oneDNN and
-# XLA's CPU backend use what is there): two hosts with the same model name differed here.
-VECTOR_EXTENSIONS = ("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "avx512_fp16",
-                     "amx_tile", "amx_bf16")
-
-
-def cpu_facts(cpuinfo: str) -> tuple:
-    """(model name, the VECTOR_EXTENSIONS among its flags) from /proc/cpuinfo's text."""
-    cpu, flags = None, set()
-    for line in cpuinfo.splitlines():
-        key, _, value = line.partition(":")
-        if key.strip() == "model name" and cpu is None:
-            cpu = value.strip()
-        elif key.strip() == "flags" and not flags:
-            flags = set(value.split())
-    return cpu, [x for x in VECTOR_EXTENSIONS if x in flags]
-
-
-def _extensions_text(machine: dict) -> str:
-    found = machine.get("cpu_extensions") or []
-    return ", ".join(found) if found else "none of " + ", ".join(VECTOR_EXTENSIONS)
-
-
-def machine_facts() -> dict:
-    cpu, extensions = None, []
-    try:
-        cpu, extensions = cpu_facts(Path("/proc/cpuinfo").read_text())
-    except OSError:
-        pass
-    try:
-        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1024 ** 3
-    except (ValueError, OSError, AttributeError):
-        ram = None
-    affinity = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
-    return dict(cpu_model=cpu or platform.processor() or "unknown", cpu_extensions=extensions,
-                cores=os.cpu_count(),
-                cores_available=affinity, ram_gib=ram, platform=platform.platform(),
-                load_average=os.getloadavg() if hasattr(os, "getloadavg") else None)
-
-
-def versions() -> dict:
-    from dpbench import records
-    return records.versions(VERSION_PACKAGES)
 
 
 def _fmt(x, digits=1) -> str:
@@ -265,7 +219,7 @@ def render(report: dict) -> str:
               f"Started {report['started']}, finished {report.get('finished') or '(running)'}; "
               f"wall time {_fmt(report.get('wall_s'), 0)} s.", "",
               "## Machine", "",
-              f"- CPU: {m['cpu_model']}; vector extensions: {_extensions_text(m)}",
+              f"- CPU: {m['cpu_model']}; vector extensions: {extensions_text(m)}",
               f"- cores: {m['cores']} (available to this process: {m['cores_available']})",
               f"- RAM: {_fmt(m['ram_gib'])} GiB",
               f"- platform: {m['platform']}",

@@ -42,11 +42,12 @@ from pathlib import Path
 
 from absl import app, flags, logging
 
-from benchmarks.constants import COMMAND_ENV, ONCE, OPACUS_MODES, REPO_ROOT
+from benchmarks.common import COMMAND_ENV, ONCE, OPACUS_MODES, REPO_ROOT
 from benchmarks.plan import (Options, parse_micro_batch_sizes, plan, run_config,
                              torch_available, torch_settings)
-from benchmarks.report import (aggregate_rounds, compute_ratios, interleaved_rows, machine_facts,
-                               render, summary_line, targets, versions, write_atomically)
+from benchmarks.machine import machine_facts, versions
+from benchmarks.report import (aggregate_rounds, compute_ratios, interleaved_rows, render,
+                               summary_line, targets, write_atomically)
 from benchmarks.workers import run_worker
 
 

@@ -11,7 +11,7 @@ import types
 import jax
 import numpy as np
 
-from benchmarks import constants, plan, speed, workers
+from benchmarks import common, machine, plan, speed, torch_workers, workers
 from benchmarks import report as reporting
 
 COLUMNS = ["configuration", "B", "padded P", "ms/step (median of rounds)", "round medians",
@@ -167,8 +167,8 @@ def test_ratios_targets_and_failed_rows_from_synthetic_results():
         ratios, calibration, dict(ok=True, wall_time_s=250.0))}
     assert job["main job (30 epochs) wall time <= 240 s"] is False
 
-    report = dict(command="cmd", started="now", machine=reporting.machine_facts(),
-                  versions=reporting.versions(), options=dataclasses.asdict(plan.Options()),
+    report = dict(command="cmd", started="now", machine=machine.machine_facts(),
+                  versions=machine.versions(), options=dataclasses.asdict(plan.Options()),
                   torch_note="synthetic", rows=rows, calibration=calibration, ratios=ratios,
                   targets=reporting.targets(ratios, calibration))
     text = reporting.render(report)
@@ -192,7 +192,7 @@ def test_torch_twin_computes_the_same_function_as_the_tanh_cnn():
     model = models.make_model(10, name="tanh_cnn")
     images = np.random.default_rng(0).uniform(size=(5, 28, 28, 1)).astype(np.float32)
     params = model.init(jax.random.key(0), images[:1])["params"]
-    twin = workers.make_torch_tanh_cnn(10)
+    twin = torch_workers.make_torch_tanh_cnn(10)
     assert sum(p.numel() for p in twin.parameters()) == sum(
         x.size for x in jax.tree.leaves(params)) == 26010
 
@@ -212,7 +212,7 @@ def test_torch_twin_computes_the_same_function_as_the_tanh_cnn():
         ours = np.asarray(model.apply({"params": params}, images))
         fake = types.SimpleNamespace(train=types.SimpleNamespace(
             images=images, labels=np.zeros(5, np.int32)))
-        batch, _ = workers._torch_batch(torch, fake, np.arange(5))
+        batch, _ = torch_workers._torch_batch(torch, fake, np.arange(5))
         # NCHW strides, not the channels_last ones a 1-channel transposed view would get (with
         # those, Opacus's hooks-mode conv grad sampler returns wrong per-sample gradients).
         assert batch.stride() == (784, 784, 28, 1)
@@ -235,16 +235,16 @@ def test_the_gep_floor_gives_its_own_target_line_and_ratio():
     when the floor fails it, no implementation of the step can meet it on this machine."""
     def rows(floor_ms):
         return [_row("dpbench dpsgd", "dpbench", 256, 50.0, pipeline="dpsgd"),
-                _row(constants.FLOOR_LABEL, "floor", 256, floor_ms, pipeline="gep",
+                _row(common.FLOOR_LABEL, "floor", 256, floor_ms, pipeline="gep",
                      setting="light")]
-    name = f"B=256: {constants.FLOOR_LABEL} <= 2.5x DP-SGD"
+    name = f"B=256: {common.FLOOR_LABEL} <= 2.5x DP-SGD"
     for floor_ms, holds in ((150.0, False), (100.0, True)):
         ratios = reporting.compute_ratios(rows(floor_ms), (256,))
         assert math.isclose(ratios["per_batch"]["256"]["gep_floor_over_dpsgd"], floor_ms / 50)
         assert "dpbench gep (light)" not in ratios["per_batch"]["256"]["methods"]
         assert {t["target"]: t["holds"] for t in reporting.targets(ratios, None)}[name] is holds
     without = reporting.compute_ratios(rows(100.0)[:1], (256,))
-    assert not any(constants.FLOOR_LABEL in t["target"] for t in reporting.targets(without, None))
+    assert not any(common.FLOOR_LABEL in t["target"] for t in reporting.targets(without, None))
 
 
 def test_the_gep_floor_times_the_products_of_the_pipelines_own_shapes():
@@ -301,6 +301,6 @@ def test_cpu_facts_name_the_vector_extensions():
     info = ("processor\t: 0\nmodel name\t: Intel(R) Xeon(R) Processor\n"
             "flags\t\t: fpu sse2 avx avx2 fma avx512f avx512_bf16 amx_tile\n"
             "processor\t: 1\nmodel name\t: other\nflags\t\t: fpu\n")
-    assert reporting.cpu_facts(info) == ("Intel(R) Xeon(R) Processor",
+    assert machine.cpu_facts(info) == ("Intel(R) Xeon(R) Processor",
                                      ["avx2", "fma", "avx512f", "avx512_bf16", "amx_tile"])
-    assert reporting.cpu_facts("model name\t: old\nflags\t\t: sse2 avx\n") == ("old", [])
+    assert machine.cpu_facts("model name\t: old\nflags\t\t: sse2 avx\n") == ("old", [])

@@ -1,6 +1,9 @@
-"""What the speed benchmark's modules share: paths, the method families, names."""
+"""What the speed benchmark's modules share: paths, the method families, names, and the
+fixed-size batches of the non-private rows."""
 
 from pathlib import Path
+
+import numpy as np
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 PIPELINE_DIR = REPO_ROOT / "pipelines"
@@ -16,3 +19,9 @@ COMMAND_ENV = "DPBENCH_BENCH_COMMAND"  # set by tools/bench.sh: the shell comman
 ONCE = ("calibration", "main_job", "interleaved")
 TIMED = ("jax_nonprivate", "torch_nonprivate", "opacus", "dp", "gep_floor")  # with a step time
 SPEC_KEYS = ("label", "group", "kind", "batch_size", "pipeline", "setting", "mode")
+
+
+def fixed_size_batches(n: int, b: int, seed: int, count: int) -> list:
+    """count batches of exactly b distinct indices (the non-private rows' batches)."""
+    return [np.random.default_rng([seed, t]).choice(n, size=b, replace=False)
+            for t in range(count)]

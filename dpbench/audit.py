@@ -29,11 +29,10 @@ pixel), SGD with learning rate 1, one step, q = 1. Stages that need a public spl
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import sys
 import time
-from typing import NamedTuple, Optional, Sequence
+from typing import NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -295,7 +294,8 @@ def define_flags() -> None:
 
 
 def audit_main(argv) -> None:
-    """``dpbench audit --gin_file=pipelines/X.gin [--gin_bindings=...]``."""
+    """``dpbench audit --gin_file=pipelines/X.gin [--gin_bindings=...]``: prints (and with
+    --out writes) the report; exits 1 when the audit flags the pipeline, 2 on bad input."""
     del argv
     if not FLAGS.gin_file:
         raise app.UsageError("give --gin_file, e.g. pipelines/dpsgd.gin")
@@ -319,6 +319,10 @@ def audit_main(argv) -> None:
                  result.epsilon_lb, result.confidence, result.parametric_epsilon,
                  result.parametric_epsilon_lb,
                  ": FLAGGED: " + "; ".join(result.reasons) if result.flagged else "")
+    if result.flagged:  # the report is written first: it is the evidence
+        print(f"dpbench: audit of {name} FLAGGED (its measured epsilon exceeds the claim "
+              f"{result.claimed_epsilon:.3f}): " + "; ".join(result.reasons), file=sys.stderr)
+        sys.exit(1)
 
 
 def run() -> None:

@@ -111,6 +111,37 @@ def tree_sha256(tree) -> str:
     return digest.hexdigest()
 
 
+def stage_sources(stage_names) -> list:
+    """Provenance of every stage of a run that is not one of dpbench's own: its registered
+    name, the module that defines it, that module's file and the file's sha256 (a user's stage
+    lives outside the repo, so the git commit does not pin it)."""
+    import inspect
+
+    from dpbench.stages.base import registered_stage  # here: records is plain Python otherwise
+
+    out = []
+    for name in dict.fromkeys(stage_names):
+        module = inspect.getmodule(inspect.unwrap(registered_stage(name)))
+        if module is None or module.__name__.split(".")[0] == "dpbench":
+            continue
+        path = Path(inspect.getsourcefile(module) or module.__file__).resolve()
+        out.append(dict(stage=name, module=module.__name__, path=str(path),
+                        sha256=hashlib.sha256(path.read_bytes()).hexdigest()))
+    return out
+
+
+def git_dirty(root: Path | None = None) -> bool | None:
+    """Whether dpbench's checkout (or ``root``) has uncommitted changes to tracked files (None
+    outside git): a dirty tree's records are not reproduced by their git_commit alone."""
+    try:
+        root = Path(__file__).resolve().parents[1] if root is None else root
+        status = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
+                                cwd=root, capture_output=True, text=True, timeout=10, check=True)
+        return bool(status.stdout.strip())
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
 def git_commit() -> str | None:
     try:
         root = Path(__file__).resolve().parents[1]

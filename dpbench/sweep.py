@@ -29,6 +29,7 @@ import hashlib
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -299,6 +300,23 @@ def run_phase(name: str, jobs: list, args) -> list:
     return [r.config["job"] for r in results if r.error is not None]
 
 
+def unreachable_reason(address: str, timeout: float = 30.0):
+    """None when a TCP connection to the Ray address's host:port opens within ``timeout``
+    seconds, else a one-line reason: ray.init would otherwise retry for minutes with warnings
+    only. ``auto`` (a cluster on this machine found by Ray itself) is not checked."""
+    if address == "auto":
+        return None
+    host, _, port = address.split("://")[-1].rpartition(":")
+    if not host or not port.isdigit():
+        return f"--address={address!r} is not host:port (or ray://host:port, or auto)"
+    try:
+        socket.create_connection((host, int(port)), timeout=timeout).close()
+    except OSError as e:
+        return (f"no Ray cluster answers at --address={address} ({e.strerror or e}); start one "
+                "with `ray start --head` there, or leave --address out to run Ray locally")
+    return None
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="dpbench sweep", description=__doc__.split("\n")[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -315,7 +333,9 @@ def main(argv=None) -> int:
     parser.add_argument("--records", type=Path, default=REPO / "leaderboard" / "records",
                         help="where finished trials publish their run records (the default is "
                              "the committed board's)")
-    parser.add_argument("--address", default=None, help="an existing Ray cluster's address")
+    parser.add_argument("--address", default=None,
+                        help="an existing Ray cluster's address (host:port, ray://host:port "
+                             "or auto); refused within 30 s when nothing answers there")
     parser.add_argument("--cpus", type=int, default=None, help="CPUs of the local Ray instance")
     parser.add_argument("--cpus_per_trial", type=float, default=1.0,
                         help="CPUs Ray reserves for each trial")
@@ -327,6 +347,10 @@ def main(argv=None) -> int:
     if args.cost:
         print_cost(args.runs_dir, args.cpus_per_trial)
         return 0
+    reason = args.address and unreachable_reason(args.address)
+    if reason:
+        print(f"dpbench: error: {reason}", file=sys.stderr)
+        return 2
     try:
         protocol = tuning.load_protocol(args.protocol)
         plans = []

@@ -356,6 +356,8 @@ def _run_record(loop: _Loop, state, progress: Progress, pipeline_name: str, gin_
         settings_sha256=checkpoint.settings_digest(loop.settings), calibration_s=run.compile_s,
         median_step_s=float(np.median(steady)) if steady else None,
         versions=records.versions(), git_commit=records.git_commit(),
+        git_dirty=records.git_dirty(),
+        stage_sources=records.stage_sources(s.name for s in compiled.plan.stages),
         devices=[str(d) for d in run.mesh.devices.flat],
         privacy_statement=run_record.privacy_statement(run, budget, config, end_step, epsilon),
         non_private_outputs=["train_loss, update_norm and nonfinite_examples in metrics.jsonl "

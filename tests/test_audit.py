@@ -104,3 +104,34 @@ def test_perfectly_separated_scores_reach_the_largest_bound_the_trials_allow():
     best = audit.clopper_pearson_epsilon_lb(450, 450, 0, 450, 1e-5, 0.05 / 4)
     assert audit.nonparametric_epsilon_lb(scores_in, scores_out, 1e-5, 0.05) == pytest.approx(
         best)
+
+
+HALF_NOISE_MODULE = """
+from dpbench.ops import add_gaussian_noise
+from dpbench.stages import Kind, Stage, register_stage, stateless
+
+
+@register_stage("broken.half_noise")
+def half_noise() -> Stage:
+    \"\"\"Declares the Gaussian release but adds half its noise.\"\"\"
+    return Stage(name="broken.half_noise", kind_in=Kind.AGGREGATE, kind_out=Kind.RELEASED,
+                 is_release=True, make=stateless(lambda value, state, ctx: (add_gaussian_noise(
+                     value, ctx.key, 0.5 * ctx.noise_multiplier * ctx.sensitivity), state)))
+"""
+
+
+def test_cli_exits_non_zero_when_the_audit_flags_and_still_writes_the_report(tmp_path):
+    (tmp_path / "half_noise_stage.py").write_text(HALF_NOISE_MODULE)
+    (tmp_path / "half_noise.gin").write_text(
+        "import half_noise_stage\ninclude 'pipelines/dpsgd.gin'\n"
+        "STAGES = [@grad.per_example(), @clip.global_l2(), @broken.half_noise(), "
+        "@optimize.optax()]\n")
+    out = tmp_path / "audit.json"
+    proc = subprocess.run(
+        [sys.executable, "-c", "from dpbench.main import run; run()", "audit",
+         f"--gin_file={tmp_path / 'half_noise.gin'}", "--trials=1000",
+         "--claimed_epsilon=3.0", f"--out={out}"], cwd=REPO_ROOT, capture_output=True,
+        text=True, timeout=300)
+    assert proc.returncode == 1, (proc.returncode, proc.stderr[-3000:])
+    assert "FLAGGED" in proc.stderr and "dpbench: audit of dpsgd" in proc.stderr
+    assert json.loads(out.read_text())["flagged"] is True

@@ -211,3 +211,17 @@ def test_the_sweep_cost_sums_every_segment_of_every_run(tmp_path):
                           f"--runs_dir={tmp_path}"], capture_output=True, text=True, check=True)
     assert "g1: 2 runs started, 1 finished" in out.stdout
     assert f"total: {(a + b + 7.0 + c + 2.5) / 3600:.2f} core-hours" in out.stdout
+
+
+def test_an_unreachable_ray_address_is_refused_at_once_with_one_line(tmp_path, capsys):
+    """A closed port (nothing listens on 127.0.0.1:1) gives up before any protocol work or
+    Ray start, with one line saying what to do (ray.init alone retried for minutes)."""
+    start = time.time()
+    code = sweep.main(["--address=127.0.0.1:1", f"--records={tmp_path / 'records'}",
+                       f"--runs_dir={tmp_path / 'runs'}"])
+    assert code == 2 and time.time() - start < 60
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "no Ray cluster answers at --address=127.0.0.1:1" in err
+    assert not (tmp_path / "records").exists()
+    assert sweep.unreachable_reason("auto") is None
+    assert "is not host:port" in sweep.unreachable_reason("localhost")

@@ -2,6 +2,7 @@
 pulled in by an ``import`` line of the user's gin file, trains with the ``dpbench`` command;
 a mis-declared one is rejected with its name."""
 
+import hashlib
 import json
 import subprocess
 import sys
@@ -56,6 +57,13 @@ def test_a_users_own_stage_trains_and_a_misdeclared_one_is_rejected(tmp_path):
     record = json.loads((tmp_path / "good-run" / "run_record.json").read_text())
     assert record["stages"][1] == {"name": "user.scale", "factor": 0.25}
     assert record["epsilon"] <= record["target_epsilon"]
+    # provenance: the user's stage module by path and sha256 (dpbench's own stages are pinned
+    # by git_commit, with git_dirty saying whether the checkout had uncommitted changes)
+    module = tmp_path / "user_stages.py"
+    assert record["stage_sources"] == [dict(
+        stage="user.scale", module="user_stages", path=str(module.resolve()),
+        sha256=hashlib.sha256(module.read_bytes()).hexdigest())]
+    assert isinstance(record["git_dirty"], bool)
     bad = _dpbench(tmp_path, GIN.format(extra="", late="@user.peek(), "), "bad")
     assert bad.returncode == 2
     assert "stage #2 'user.peek' reads the private aggregate" in bad.stderr

@@ -84,6 +84,8 @@ def plan_group(protocol: dict, family: str, epsilon: float, methods, workers: in
         plan["methods"][method] = dict(
             gin_files=gin_files, support=[],
             trials=tuning.trial_bindings(protocol, family, group, method, num_random))
+        tuning.check_trials(method, gin_files, plan["methods"][method]["trials"],
+                            [*budget_bindings, "train.seed = 0"])
     events = support_events([(g, [*b, *budget_bindings]) for _, g, b in tasks], workers)
     for (method, _, bindings), event in zip(tasks, events):
         plan["methods"][method]["support"].append(dict(bindings=bindings, event=event))

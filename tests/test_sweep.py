@@ -225,3 +225,20 @@ def test_an_unreachable_ray_address_is_refused_at_once_with_one_line(tmp_path, c
     assert not (tmp_path / "records").exists()
     assert sweep.unreachable_reason("auto") is None
     assert "is not host:port" in sweep.unreachable_reason("localhost")
+
+
+@pytest.mark.parametrize("break_it,match", [
+    (lambda f: f["space"].update({"optimize.optax.learning_rat": {"uniform": [1.0, 2.0]}}),
+     r"method 'dpsgd', trial 1: its settings do not parse .*learning_rat"),
+    (lambda f: f["methods"].update(mine=f["methods"].pop("dpsgd")),
+     r"method 'mine' runs pipelines/dpsgd.gin, whose pipeline.name is 'dpsgd'")])
+def test_a_protocol_typo_or_a_misnamed_method_is_refused_before_anything_is_written(
+        break_it, match, tmp_path):
+    protocol = json.loads(json.dumps(PROTOCOL))
+    family = protocol["families"]["digits__logistic"]
+    family["methods"].pop("rs")
+    break_it(family)
+    method = next(iter(family["methods"]))
+    with pytest.raises(tuning.ProtocolError, match=match):
+        sweep.prepare(protocol, "digits__logistic", 3.0, [method], tmp_path)
+    assert not (tmp_path / GROUP).exists()

@@ -36,12 +36,11 @@ import time
 from pathlib import Path
 
 from dpbench import records as records_lib
-from dpbench import tuning
+from dpbench import sweep_cost, tuning
 
 REPO = Path(__file__).resolve().parents[1]
 SEARCH_FILE, DIVERGED, run_dir_name = tuning.SEARCH_FILE, tuning.DIVERGED, tuning.run_dir_name
 LAUNCH_LOG = "launches.log"  # one line per dpbench run a trial started (tests read it)
-
 
 
 def support_event(gin_files, bindings) -> dict:
@@ -235,54 +234,6 @@ def winners_of(plans, records: Path) -> dict:
     return out
 
 
-def _segments(run_dir: Path) -> list:
-    """Wall seconds of each process that trained the run: a process's last logged ``wall_s``
-    (each process restarts the clock, so a drop starts a segment); a finished run's last
-    segment is its record's ``wall_time_s``, which also covers the steps after the last log."""
-    segments, last = [], None
-    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
-        try:
-            wall = json.loads(line).get("wall_s")
-        except json.JSONDecodeError:  # a line cut by a kill
-            continue
-        if wall is None:
-            continue
-        if last is not None and wall < last:
-            segments.append(last)
-        last = wall
-    if last is not None:
-        segments.append(last)
-    record = run_dir / "run_record.json"
-    if record.exists():
-        final = json.loads(record.read_text())["wall_time_s"]
-        segments[-1:] = [max(final, segments[-1] if segments else 0.0)]
-    return segments
-
-
-def sweep_cost(runs_dir: Path, cpus_per_trial: float = 1.0) -> dict:
-    """{group: {"started", "finished", "core_hours"}} over every run directory under
-    ``runs_dir`` (a run's group is its parent directory: also runs set aside by hand), each
-    run's wall time summed over its segments, times the CPUs each trial holds."""
-    cost = {}
-    for metrics in sorted(Path(runs_dir).rglob("metrics.jsonl")):
-        run_dir = metrics.parent
-        group = cost.setdefault(run_dir.parent.name,
-                                {"started": 0, "finished": 0, "core_hours": 0.0})
-        group["started"] += 1
-        group["finished"] += (run_dir / "run_record.json").exists()
-        group["core_hours"] += sum(_segments(run_dir)) * cpus_per_trial / 3600
-    return cost
-
-
-def print_cost(runs_dir: Path, cpus_per_trial: float) -> None:
-    cost = sweep_cost(runs_dir, cpus_per_trial)
-    for group, c in cost.items():
-        print(f"{group}: {c['started']} runs started, {c['finished']} finished, "
-              f"{c['core_hours']:.2f} core-hours")
-    print(f"total: {sum(c['core_hours'] for c in cost.values()):.2f} core-hours "
-          f"({cpus_per_trial:g} CPU per trial)")
-
-
 def run_phase(name: str, jobs: list, args) -> list:
     """One Tune experiment over ``jobs`` (restored when it exists). Returns failed jobs."""
     from ray import tune
@@ -319,6 +270,19 @@ def unreachable_reason(address: str, timeout: float = 30.0):
     return None
 
 
+def foreign_protocol_reason(protocol: Path, records: Path, official_board: bool):
+    """None unless a protocol other than the board's own would publish into the committed
+    board's records (leaderboard/records, the default --records): a user's own search must not
+    mix its runs into the official board by leaving a flag out."""
+    board = REPO / "leaderboard"
+    if (official_board or Path(records).resolve() != (board / "records").resolve()
+            or Path(protocol).resolve() == (board / "protocol.json").resolve()):
+        return None
+    return (f"--protocol={protocol} is not the board's own, but --records is the committed "
+            f"board's ({board / 'records'}); pass --records=DIR for your own board (or "
+            "--official_board to publish into the committed one)")
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="dpbench sweep", description=__doc__.split("\n")[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -343,13 +307,17 @@ def main(argv=None) -> int:
                         help="CPUs Ray reserves for each trial")
     parser.add_argument("--prepare_only", action="store_true",
                         help="write each group's search.json (trials, support events) and stop")
+    parser.add_argument("--official_board", action="store_true",
+                        help="let a protocol other than leaderboard/protocol.json publish into "
+                             "leaderboard/records")
     parser.add_argument("--cost", action="store_true",
                         help="print the core-hours the runs under --runs_dir took and stop")
     args = parser.parse_args(argv)
     if args.cost:
-        print_cost(args.runs_dir, args.cpus_per_trial)
+        sweep_cost.print_cost(args.runs_dir, args.cpus_per_trial)
         return 0
-    reason = args.address and unreachable_reason(args.address)
+    reason = (foreign_protocol_reason(args.protocol, args.records, args.official_board)
+              or (args.address and unreachable_reason(args.address)))
     if reason:
         print(f"dpbench: error: {reason}", file=sys.stderr)
         return 2

@@ -15,7 +15,7 @@ import ray  # noqa: F401  (the [sweep] extra: CI installs it, so this test never
 from dp_accounting import dp_event
 from dp_accounting.rdp import rdp_privacy_accountant
 
-from dpbench import accounting, config, sweep, tuning
+from dpbench import accounting, config, sweep, sweep_cost, tuning
 
 GROUP = "digits__logistic__eps3.0__delta1e-05"
 RECIPE = ["train.epochs = 1", "train.batch_size = 256"]
@@ -203,7 +203,7 @@ def test_the_sweep_cost_sums_every_segment_of_every_run(tmp_path):
     _write_run(tmp_path / "g1" / "dpsgd-t0-seed0", [[10.0, a], [5.0, b]], record_wall=b + 7.0)
     _write_run(tmp_path / "g1" / "rs-t0-seed0", [[3.0, c]])  # interrupted, never finished
     _write_run(tmp_path / "g2" / "gep-t1-seed0", [[1.0, 2.0]], record_wall=2.5)
-    cost = sweep.sweep_cost(tmp_path, cpus_per_trial=2.0)
+    cost = sweep_cost.sweep_cost(tmp_path, cpus_per_trial=2.0)
     assert cost["g1"]["started"] == 2 and cost["g1"]["finished"] == 1
     assert cost["g1"]["core_hours"] == pytest.approx(2.0 * (a + b + 7.0 + c) / 3600)
     assert cost["g2"]["core_hours"] == pytest.approx(2.0 * 2.5 / 3600)
@@ -242,3 +242,20 @@ def test_a_protocol_typo_or_a_misnamed_method_is_refused_before_anything_is_writ
     with pytest.raises(tuning.ProtocolError, match=match):
         sweep.prepare(protocol, "digits__logistic", 3.0, [method], tmp_path)
     assert not (tmp_path / GROUP).exists()
+
+
+def test_a_users_protocol_never_publishes_into_the_committed_board_by_default(tmp_path, capsys):
+    (tmp_path / "protocol.json").write_text(json.dumps(PROTOCOL))
+    before = sorted(p.name for p in (config.REPO_ROOT / "leaderboard" / "records").iterdir())
+    assert sweep.main([f"--protocol={tmp_path / 'protocol.json'}", "--prepare_only"]) == 2
+    err = capsys.readouterr().err
+    assert "is not the board's own" in err and "pass --records=DIR" in err
+    after = sorted(p.name for p in (config.REPO_ROOT / "leaderboard" / "records").iterdir())
+    assert after == before
+    # the board's own protocol, another records dir, or the explicit flag: no objection
+    official = config.REPO_ROOT / "leaderboard"
+    assert sweep.foreign_protocol_reason(official / "protocol.json", official / "records",
+                                         False) is None
+    assert sweep.foreign_protocol_reason(tmp_path / "protocol.json", tmp_path, False) is None
+    assert sweep.foreign_protocol_reason(tmp_path / "protocol.json", official / "records",
+                                         True) is None

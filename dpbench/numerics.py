@@ -12,7 +12,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from importlib import metadata
 from pathlib import Path
 
 import numpy as np
@@ -65,12 +64,10 @@ def host_numerics(cpuinfo: Path = Path("/proc/cpuinfo")) -> dict:
     bit-identical runs; unequal ones agree only within the measured tolerance."""
     import jax  # imported here: only a caller that trains pays for it
 
-    versions = {}
-    for name in ("jax", "jaxlib", "numpy", "scipy", "dp-accounting"):
-        try:
-            versions[name] = metadata.version(name)
-        except metadata.PackageNotFoundError:
-            versions[name] = None
+    from dpbench import records
+
+    versions = records.versions(("jax", "jaxlib", "numpy", "scipy", "dp-accounting"))
+    versions.pop("python")  # no bit depends on it
     return {"versions": versions, "cpu": _cpuinfo(cpuinfo), "cores": os.cpu_count(),
             "devices": jax.device_count(), "numpy_simd": _numpy_simd(), "blas": _blas(),
             "env": {k: os.environ[k] for k in _ENV_KNOBS if k in os.environ}}

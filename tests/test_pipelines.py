@@ -187,10 +187,23 @@ DIGITS_BINDINGS = ("train.epochs = 2", "train.log_every_steps = 5", "dataset.pub
                    "gep.embed_and_clip.num_anchors = 64", "gep.embed_and_clip.num_basis = 48")
 
 
+def golden_run(key: str) -> tuple:
+    """(gin files, bindings) of golden run ``key``: a pipeline file's name, or
+    'dpssgd.gin+<prune>' (tools/golden_drift.py trains the same runs)."""
+    pipeline, _, prune = key.partition("+")
+    files = [f"pipelines/{pipeline}", "gin/data/digits.gin"]
+    if not prune:
+        return files, list(DIGITS_BINDINGS)
+    return files, ["train.epochs = 2", f"PRUNE = @prune.{prune}()", "prune.synflow.iterations = 10"]
+
+
+GOLDEN_KEYS = PIPELINES + ["dpssgd.gin+synflow", "dpssgd.gin+dp_snip"]
+
+
 @pytest.mark.parametrize("pipeline", PIPELINES)
 def test_pipeline_trains_on_digits(pipeline, tmp_path):
-    files = [f"pipelines/{pipeline}", "gin/data/digits.gin"]
-    config.parse_config(files, DIGITS_BINDINGS)
+    files, bindings = golden_run(pipeline)
+    config.parse_config(files, bindings)
     record = train.train(tmp_path / "run", gin_files=files)
     assert record["pipeline"] == Path(pipeline).stem
     assert record["epsilon"] <= record["target_epsilon"]
@@ -278,9 +291,8 @@ def test_scatter_cnn_trains_and_a_scatter_model_refuses_pixels(tmp_path):
 
 @pytest.mark.parametrize("prune", ["synflow", "dp_snip"])
 def test_dpssgd_prune_variants_by_binding(prune, tmp_path):
-    files = ["pipelines/dpssgd.gin", "gin/data/digits.gin"]
-    config.parse_config(files, ["train.epochs = 2", f"PRUNE = @prune.{prune}()",
-                              "prune.synflow.iterations = 10"])
+    files, bindings = golden_run(f"dpssgd.gin+{prune}")
+    config.parse_config(files, bindings)
     record = train.train(tmp_path / "run", gin_files=files)
     assert record["stages"][1]["name"] == f"prune.{prune}"
     check_statement(record)

@@ -8,8 +8,8 @@ import numpy as np
 REPO_ROOT = Path(__file__).resolve().parents[1]
 PIPELINE_DIR = REPO_ROOT / "pipelines"
 OPACUS_MODES = ("hooks", "ew", "functorch", "ghost")
-# The GEP settings: pipelines/gep.gin as is (light), and the paper's MNIST setting
-# (docs/methods/gep.md section 5: m = 2000 anchors, k picked from {250, 500, 750, 1000}, one
+# The GEP settings: pipelines/gep/pipeline.gin as is (light), and the paper's MNIST setting
+# (pipelines/gep/README.md section 5: m = 2000 anchors, k picked from {250, 500, 750, 1000}, one
 # power iteration, basis recomputed every step).
 GEP_FAMILY = ("gep", "bgep")
 FLOOR_LABEL = "GEP light's floor (its matrix products alone)"

@@ -53,7 +53,7 @@ class Options:
 
 
 def pipeline_names(selection: str) -> list:
-    known = sorted(p.stem for p in PIPELINE_DIR.glob("*.gin"))
+    known = sorted(p.parent.name for p in PIPELINE_DIR.glob("*/pipeline.gin"))
     if selection.strip() in ("", "all"):
         names = known
     else:
@@ -65,7 +65,7 @@ def pipeline_names(selection: str) -> list:
 
 
 def _gin_files(options: Options, pipeline: str) -> list:
-    files = [f"pipelines/{pipeline}.gin", options.data_gin]
+    files = [f"pipelines/{pipeline}/pipeline.gin", options.data_gin]
     if options.model_gin:
         files.append(options.model_gin)
     return files
@@ -192,7 +192,7 @@ def plan(options: Options, torch_info: dict) -> list:
                             gin_files=_gin_files(options, "dpsgd"), bindings=_bindings(options, b)))
     if options.main_job:
         configs.append(dict(kind="main_job", group="main_job", label="main job (DP-SGD, 30 "
-                            "epochs)", batch_size=1024, gin_files=["pipelines/dpsgd.gin"],
+                            "epochs)", batch_size=1024, gin_files=["pipelines/dpsgd/pipeline.gin"],
                             bindings=[]))
     if options.calibration:
         b = options.calibration_batch_size

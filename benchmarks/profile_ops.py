@@ -27,7 +27,7 @@ from benchmarks import workers
 FLAGS = flags.FLAGS
 # Its own flags; --steps (traced steps), --warmup, --data_gin, --model_gin and --bindings are
 # benchmarks.speed's, which it imports and shares.
-flags.DEFINE_string("pipeline", "dpsgd", "pipelines/<name>.gin")
+flags.DEFINE_string("pipeline", "dpsgd", "a method folder name: pipelines/<name>/pipeline.gin")
 flags.DEFINE_integer("batch_size", 1024, "expected batch size B")
 flags.DEFINE_integer("micro_batch_size", 32, "micro-batch size")
 flags.DEFINE_integer("top", 25, "operations listed")
@@ -108,7 +108,7 @@ def profile(spec: dict, steps: int, warmup: int) -> tuple:
 
 def main(argv) -> None:
     del argv
-    files = [f"pipelines/{FLAGS.pipeline}.gin", FLAGS.data_gin] + (
+    files = [f"pipelines/{FLAGS.pipeline}/pipeline.gin", FLAGS.data_gin] + (
         [FLAGS.model_gin] if FLAGS.model_gin else [])
     spec = dict(gin_files=files, noise_multiplier=1.0, bindings=[
         f"train.batch_size = {FLAGS.batch_size}",

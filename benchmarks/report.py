@@ -285,7 +285,7 @@ def render(report: dict) -> str:
     job = report.get("main_job")
     lines += ["", "## Main job", ""]
     if job and job.get("ok"):
-        lines.append(f"`pipelines/dpsgd.gin` on Fashion-MNIST, trained by `train.train` (the "
+        lines.append(f"`pipelines/dpsgd` on Fashion-MNIST, trained by `train.train` (the "
                      f"README's main job): {job['steps']} steps in {job['wall_time_s']:.0f} s of "
                      f"wall time (run record), median step {job['median_step_s'] * 1e3:.0f} ms, "
                      f"sigma {job['noise_multiplier']:.4f} calibrated in "

@@ -5,11 +5,11 @@ time over ``--steps`` steps after ``--warmup`` steps of:
 
 * a non-private JAX step (same model, plain mean-loss gradient, the pipeline's optax optimizer,
   jitted) on fixed-size batches of exactly B examples;
-* dpbench DP-SGD (``pipelines/dpsgd.gin``) and every other ``pipelines/*.gin``, each built
+* dpbench DP-SGD (``pipelines/dpsgd``) and every other method folder (``pipelines/<name>``), each built
   exactly as ``train.train`` builds it (gin via ``main.parse_config``, the same dataset, model,
   seeds, sampler and ``compiler.compile_pipeline`` call), on the Poisson sampler's padded batch;
   GEP also at the paper's MNIST setting (m = 2000 anchors, k = 500 basis vectors, basis every
-  step) next to the light default of ``pipelines/gep.gin`` (m = 512, k = 200);
+  step) next to the light default of ``pipelines/gep/pipeline.gin`` (m = 512, k = 200);
 * when torch and opacus import (the ``bench`` extra), the same tanh CNN in torch: a non-private
   step on the same fixed-size batches and Opacus DP-SGD on the same realized Poisson batches
   (same clip bound, noise multiplier and optimizer) in every ``grad_sample_mode`` it has for this
@@ -55,14 +55,14 @@ FLAGS = flags.FLAGS
 flags.DEFINE_integer("steps", 30, "Timed steps per configuration (median reported).")
 flags.DEFINE_integer("warmup", 3, "Untimed steps first (the first one compiles).")
 flags.DEFINE_list("batch_sizes", ["256", "1024"], "Expected batch sizes B.")
-flags.DEFINE_string("pipelines", "all", "Comma-separated pipeline names from pipelines/*.gin, "
+flags.DEFINE_string("pipelines", "all", "Comma-separated method names (folders under pipelines/), "
                     "or 'all'. dpsgd is the reference for the ratios.")
 flags.DEFINE_string("out", None, "Markdown report path (the JSON goes next to it). Default: "
                     "runs/bench-<time>.md")
 flags.DEFINE_bool("skip_torch", False, "Skip the torch and Opacus rows.")
 flags.DEFINE_list("micro_batch_sizes", ["32"], "Micro-batch size of the dpbench rows "
                   "per expected batch size, as 'B:size', and a bare size for every other B "
-                  "(32 is pipelines/dpsgd.gin's value, fastest with book-keeping at B=256 "
+                  "(32 is pipelines/dpsgd/pipeline.gin's value, fastest with book-keeping at B=256 "
                   "and 1024 on 2 CPU cores). A speed knob only: the sampler, noise and "
                   "accounting do not change.")
 flags.DEFINE_string("data_gin", "gin/data/fashion_mnist.gin", "Data gin file.")

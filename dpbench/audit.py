@@ -298,7 +298,7 @@ def audit_main(argv) -> None:
     --out writes) the report; exits 1 when the audit flags the pipeline, 2 on bad input."""
     del argv
     if not FLAGS.gin_file:
-        raise app.UsageError("give --gin_file, e.g. pipelines/dpsgd.gin")
+        raise app.UsageError("give --gin_file, e.g. pipelines/dpsgd/pipeline.gin")
     try:
         config.parse_config(FLAGS.gin_file, list(FLAGS.gin_bindings) + list(AUDIT_BINDINGS))
         name, stages = config.pipeline_stages()

@@ -92,7 +92,8 @@ def _search_paths() -> list[Path]:
 def parse_config(gin_files: Sequence[str], gin_bindings: Sequence[str]) -> None:
     """Parses gin files and bindings with the cwd and the repo root as include search paths.
 
-    A gin file may pull in a user's own stages with an ``import my_stages`` line: the
+    A method's folder (``pipelines/dpsgd``) stands for its ``pipeline.gin``. A gin file may
+    pull in a user's own stages with an ``import my_stages`` line: the
     directories of the given gin files and the cwd are importable for that (a console script
     does not put the cwd on sys.path by itself). Gin's own errors (unknown configurable,
     misspelled parameter, missing file, a failing ``import`` line) are re-raised as ConfigError
@@ -104,10 +105,13 @@ def parse_config(gin_files: Sequence[str], gin_bindings: Sequence[str]) -> None:
             gin.add_config_file_search_path(path)
     resolved = []
     for gin_file in gin_files:
-        found = [root / gin_file for root in _search_paths() if (root / gin_file).is_file()]
+        # a method folder stands for its pipeline file (dpbench.methods)
+        found = [path for path in (root / gin_file for root in _search_paths())
+                 for path in (path, path / "pipeline.gin") if path.is_file()]
         if not found:
             raise ConfigError(f"gin file {gin_file!r} not found (looked in {Path.cwd()} and "
-                              f"{REPO_ROOT}); pipelines live in pipelines/*.gin")
+                              f"{REPO_ROOT}); a method's pipeline is pipelines/<name>/"
+                              "pipeline.gin (or give the method's folder, pipelines/<name>)")
         resolved.append(str(found[0].absolute()))  # gin finds only cwd-relative top files
     for directory in [str(Path.cwd())] + [str(Path(f).parent) for f in resolved]:
         if directory not in sys.path:

@@ -1,5 +1,5 @@
 """Command line: ``dpbench COMMAND [flags]`` (``dpbench help`` lists the commands);
-``dpbench --gin_file=pipelines/dpsgd.gin --gin_bindings=... --workdir=...`` trains."""
+``dpbench --gin_file=pipelines/dpsgd/pipeline.gin --gin_bindings=... --workdir=...`` trains."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ def main(argv) -> None:
     if not FLAGS.workdir:
         raise app.UsageError("--workdir is required (where the run writes its record)")
     if not FLAGS.gin_file:
-        raise app.UsageError("give at least one --gin_file, e.g. pipelines/dpsgd.gin")
+        raise app.UsageError("give at least one --gin_file, e.g. pipelines/dpsgd/pipeline.gin")
     try:
         config.parse_config(FLAGS.gin_file, FLAGS.gin_bindings)
         train.train(FLAGS.workdir, gin_files=FLAGS.gin_file, overwrite=FLAGS.overwrite)
@@ -46,7 +46,7 @@ def usage() -> str:
     rows = "\n".join(f"  {name:<8} {text}" for name, text in COMMANDS.items())
     return ("usage: dpbench COMMAND [flags]   (dpbench COMMAND --help: its flags, with their "
             f"defaults)\n\ncommands:\n{rows}\n\nexample: dpbench train "
-            "--gin_file=pipelines/dpsgd.gin --workdir=runs/dpsgd\n")
+            "--gin_file=pipelines/dpsgd/pipeline.gin --workdir=runs/dpsgd\n")
 
 
 def _command(argv: list) -> tuple:

@@ -236,6 +236,8 @@ def winners_of(plans, records: Path) -> dict:
 
 def run_phase(name: str, jobs: list, args) -> list:
     """One Tune experiment over ``jobs`` (restored when it exists). Returns failed jobs."""
+    if not jobs:  # e.g. the seeds phase of a protocol with one seed (Tune fails on no trials)
+        return []
     from ray import tune
     storage = (args.runs_dir / "tune").resolve()
     key = hashlib.sha256(json.dumps(jobs, sort_keys=True).encode()).hexdigest()[:10]

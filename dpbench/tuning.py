@@ -44,87 +44,11 @@ from dp_accounting.rdp import rdp_privacy_accountant
 
 from dpbench import accounting
 
-SPEC_KINDS = ("log_uniform", "uniform", "choice", "value")
+# The protocol file's reading and checks (re-exported: sweep and tests reach them here).
+from dpbench.protocol import ProtocolError, check_trials, load_protocol  # noqa: F401
+
 SEARCH_FILE = "search.json"  # a group's plan, beside its published runs
 DIVERGED = "diverged.json"   # what a run that diverged publishes instead of its record
-TRIAL_COUNT_KEYS = ("shape", "mean_random", "seed")
-
-
-class ProtocolError(ValueError):
-    """A protocol file dpbench cannot run; the message says what to change."""
-
-
-def check_trials(method: str, gin_files, trials, run_bindings) -> None:
-    """Before anything is written or trained: every trial of ``method`` parses with gin
-    exactly as its run will (its gin files, its bindings, then ``run_bindings``), so a
-    misspelled key is refused here, not as a failed trial; and the pipeline those files name
-    is ``method`` (the board ranks records by their pipeline's name)."""
-    from dpbench import config  # here: the protocol's pure functions need no gin
-
-    for t, bindings in enumerate(trials):
-        try:
-            config.parse_config(list(gin_files), [*bindings, *run_bindings])
-            name, _ = config.pipeline_stages()
-        except (config.ConfigError, ValueError, TypeError) as e:
-            raise ProtocolError(f"method {method!r}, trial {t}: its settings do not parse "
-                                f"({e}); fix the key in the protocol") from e
-        if name != method:
-            raise ProtocolError(
-                f"method {method!r} runs {gin_files[0]}, whose pipeline.name is {name!r}: a "
-                f"protocol's method key must be its pipeline's name (the board ranks records "
-                f"by it); rename the key to {name!r} or set pipeline.name = '{method}'")
-
-
-def _check_spec(where: str, key: str, spec) -> None:
-    kinds = [k for k in SPEC_KINDS if isinstance(spec, dict) and k in spec]
-    if len(kinds) != 1 or set(spec) - {kinds[0], "privacy"}:
-        raise ProtocolError(f"{where}: {key} must be one of {{'log_uniform': [lo, hi]}}, "
-                            "{'uniform': [lo, hi]}, {'choice': [...]} or {'value': x}, with an "
-                            f"optional \"privacy\": true; got {spec!r}")
-    kind = kinds[0]
-    if kind in ("log_uniform", "uniform"):
-        lo, hi = spec[kind]
-        if not (lo < hi) or (kind == "log_uniform" and lo <= 0):
-            raise ProtocolError(f"{where}: {key} range {spec[kind]} must be [lo, hi] with "
-                                f"lo < hi{' and lo > 0' if kind == 'log_uniform' else ''}")
-    if kind == "choice" and not spec["choice"]:
-        raise ProtocolError(f"{where}: {key} has no choices")
-    if spec.get("privacy") and kind not in ("choice", "value"):
-        raise ProtocolError(f"{where}: {key} changes the run's DpEvent (\"privacy\": true), so "
-                            "it must be a finite 'choice' or a 'value': the search's epsilon "
-                            "takes the maximum over every value it can take")
-
-
-def load_protocol(path) -> dict:
-    """The protocol file, validated (every error names the file and the key)."""
-    path = Path(path)
-    try:
-        protocol = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise ProtocolError(f"{path}: unreadable protocol ({e})") from e
-    for key in ("delta", "epsilons", "seeds", "trials", "families"):
-        if key not in protocol:
-            raise ProtocolError(f"{path}: missing '{key}'")
-    trials = protocol["trials"]
-    missing = [k for k in TRIAL_COUNT_KEYS if k not in trials]
-    if missing or trials["mean_random"] < 1 or not (
-            trials["shape"] == "inf" or isinstance(trials["shape"], (int, float))
-            and trials["shape"] >= 0):
-        raise ProtocolError(f"{path}: 'trials' needs shape >= 0 (0 logarithmic, 1 geometric, "
-                            "\"inf\" Poisson), mean_random >= 1 and seed; missing "
-                            f"{missing or 'nothing'}, got {trials}")
-    for family, spec in protocol["families"].items():
-        where = f"{path}: family {family}"
-        for key, value in spec.get("space", {}).items():
-            _check_spec(where, key, value)
-        if not spec.get("methods"):
-            raise ProtocolError(f"{where}: no methods")
-        for method, m in spec["methods"].items():
-            if "gin_file" not in m:
-                raise ProtocolError(f"{where}: method {method} needs a 'gin_file'")
-            for key, value in m.get("space", {}).items():
-                _check_spec(f"{where} method {method}", key, value)
-    return protocol
 
 
 def shape_of(trials: dict) -> float:
@@ -145,7 +69,9 @@ def _seed(*parts) -> np.random.SeedSequence:
 def draw_random_trials(trials: dict, group: str) -> int:
     """J, the number of random trials of every method of ``group``: one draw, from a seed
     derived from the protocol's seed and the group's name, of the law dp_accounting's
-    RepeatAndSelectDpEvent(mean_random, shape) accounts."""
+    RepeatAndSelectDpEvent(mean_random, shape) accounts; K - 1 for a fixed K."""
+    if "fixed" in trials:
+        return int(trials["fixed"]) - 1
     rng = np.random.default_rng(_seed(trials["seed"], group, "trials"))
     return sample_trial_count(rng, float(trials["mean_random"]), shape_of(trials))
 
@@ -204,7 +130,8 @@ def trial_bindings(protocol: dict, family: str, group: str, method: str, num_ran
     m = spec["methods"][method]
     base = list(spec.get("base", []))
     space = method_space(protocol, family, method)
-    rng = np.random.default_rng(_seed(protocol["trials"]["seed"], group, method, "space"))
+    rng = np.random.default_rng(_seed(protocol["trials"].get("seed", 0), group, method,
+                                     "space"))
     out = [base + list(m.get("trial0", []))]
     for _ in range(num_random):
         out.append(base + [binding(key, _draw(space[key], rng)) for key in sorted(space)])
@@ -243,16 +170,26 @@ def _rdp_curve(event: dp_event.DpEvent, orders) -> tuple[np.ndarray, float]:
 
 
 def search_epsilon(trial0_event: dp_event.DpEvent, support_events, *, mean_random: float,
-                   shape: float, delta: float) -> float:
+                   shape: float, delta: float, fixed_random: int | None = None) -> float:
     """Epsilon at ``delta`` of releasing the winner of trial 0 plus J ~ TNB(mean_random, shape)
-    random trials, each a run whose event is one of ``support_events``."""
+    random trials, each a run whose event is one of ``support_events``. With ``fixed_random``
+    = J (a fixed K = 1 + J, e.g. a smoke test) the random trials are composed instead: J times
+    the worst support point (releasing the best of K runs is post-processing of all K)."""
     orders = np.asarray(rdp_privacy_accountant.DEFAULT_RDP_ORDERS, dtype=np.float64)
     rdp0, overflow0 = _rdp_curve(trial0_event, orders)
     curves = [_rdp_curve(e, orders) for e in support_events]
     worst = np.max([c for c, _ in curves], axis=0)
     overflow = overflow0 + mean_random * max(o for _, o in curves)
-    rdp = rdp0 + np.asarray(rdp_privacy_accountant._compute_rdp_repeat_and_select(
-        orders, worst, mean_random, shape))
+    if fixed_random is not None:
+        overflow = overflow0 + fixed_random * max(o for _, o in curves)
+        # J identical releases; J = 0 adds nothing (0 * inf, at orders where a run's RDP is
+        # infinite, would be NaN, which compute_epsilon reads as epsilon 0)
+        rdp = rdp0 + (fixed_random * worst if fixed_random else 0.0)
+    else:
+        rdp = rdp0 + np.asarray(rdp_privacy_accountant._compute_rdp_repeat_and_select(
+            orders, worst, mean_random, shape))
+    if np.isnan(rdp).any():  # never: a NaN order would read as free
+        raise AssertionError("the search's RDP curve has NaN orders")
     # TV distance of the truncated search from the Poisson one: overflow (union bound over the
     # expected number of runs); it costs (1 + e^eps) * overflow of delta, with eps the result.
     epsilon = rdp_privacy_accountant.compute_epsilon(orders, rdp, delta)[0]
@@ -350,13 +287,17 @@ def search_summary(group_dir) -> dict:
         if 0 not in events:
             raise SearchRecordError(f"{group_dir}: {method}'s trial 0 diverged; its event is "
                                     "unknown")
+        fixed = "fixed" in law
         epsilon = search_epsilon(
             accounting.event_from_json(events[0]),
             [accounting.event_from_json(e) for e in support.values()],
-            mean_random=float(law["mean_random"]), shape=shape_of(law), delta=plan["delta"])
+            mean_random=0.0 if fixed else float(law["mean_random"]),
+            shape=0.0 if fixed else shape_of(law), delta=plan["delta"],
+            fixed_random=plan["num_random"] if fixed else None)
         out[method] = dict(num_trials=plan["num_trials"], winner=choose_trial(validation),
                            validation=validation, search_epsilon=epsilon,
-                           law=dict(shape=law["shape"], mean_random=law["mean_random"]))
+                           law=dict(fixed=law["fixed"]) if fixed else dict(
+                               shape=law["shape"], mean_random=law["mean_random"]))
     return out
 
 

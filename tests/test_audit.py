@@ -40,7 +40,7 @@ def sgd():
 
 
 @pytest.mark.parametrize("gin_file,claimed", [
-    ("pipelines/rs.gin", 2.0), ("pipelines/gip.gin", 3.0), ("pipelines/gep.gin", 4.0)])
+    ("pipelines/rs", 2.0), ("pipelines/gip", 3.0), ("pipelines/gep", 4.0)])
 def test_correct_pipelines_stay_under_their_claim(gin_file, claimed):
     # fewer GEP anchors than the pipeline's 512 keep the test fast; the mechanism is the same
     bindings = ["gep.embed_and_clip.num_anchors = 128", "gep.embed_and_clip.num_basis = 40"]
@@ -86,7 +86,7 @@ def test_cli_audits_dpsgd_and_writes_a_report(tmp_path):
     out = tmp_path / "audit.json"
     proc = subprocess.run(
         [sys.executable, "-c", "from dpbench.main import run; run()", "audit",
-         "--gin_file=pipelines/dpsgd.gin", "--trials=1000", "--claimed_epsilon=3.0",
+         "--gin_file=pipelines/dpsgd/pipeline.gin", "--trials=1000", "--claimed_epsilon=3.0",
          f"--out={out}"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(out.read_text())
@@ -123,7 +123,7 @@ def half_noise() -> Stage:
 def test_cli_exits_non_zero_when_the_audit_flags_and_still_writes_the_report(tmp_path):
     (tmp_path / "half_noise_stage.py").write_text(HALF_NOISE_MODULE)
     (tmp_path / "half_noise.gin").write_text(
-        "import half_noise_stage\ninclude 'pipelines/dpsgd.gin'\n"
+        "import half_noise_stage\ninclude 'pipelines/dpsgd/pipeline.gin'\n"
         "STAGES = [@grad.per_example(), @clip.global_l2(), @broken.half_noise(), "
         "@optimize.optax()]\n")
     out = tmp_path / "audit.json"

@@ -255,7 +255,7 @@ def test_the_gep_floor_times_the_products_of_the_pipelines_own_shapes():
     bindings = ["train.batch_size = 64", "train.micro_batch_size = 32",
                 "dataset.public_size = 48", "gep.embed_and_clip.num_anchors = 48",
                 "gep.embed_and_clip.num_basis = 20"]
-    spec = dict(gin_files=["pipelines/gep.gin", "gin/data/digits.gin"], bindings=bindings,
+    spec = dict(gin_files=["pipelines/gep", "gin/data/digits.gin"], bindings=bindings,
                 noise_multiplier=1.0, steps=2, warmup=1)
     result = workers.worker_gep_floor(spec)
     params = workers.build_dp_run(spec)["state"].params["params"]

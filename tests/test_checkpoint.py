@@ -18,7 +18,7 @@ import pytest
 from dpbench import accounting, checkpoint, config, records, train
 from tests.conftest import REPO_ROOT
 
-DIGITS = ["pipelines/dpsgd.gin", "gin/data/digits.gin"]
+DIGITS = ["pipelines/dpsgd/pipeline.gin", "gin/data/digits.gin"]
 SHORT = ["train.epochs = 2", "train.log_every_steps = 5", "train.checkpoint_every_steps = 4",
          "train.eval_every_steps = 8"]
 

@@ -127,10 +127,28 @@ def test_cli_exit_code_and_message(tmp_path, capsys):
     assert "does not exist" in capsys.readouterr().err
 
 
+def test_a_users_board_is_written_beside_its_records_without_the_committed_boards_inputs(
+        records, capsys):
+    """`dpbench board --records=DIR`: the board lands in DIR's parent (its links to records/
+    hold), the committed board's audits and PERF.json are not mixed in (its rows have no audit
+    and no step ratio), and an input given but missing is refused before anything is written."""
+    assert board.main([f"--records={records}", "--claims=nope.json"]) == 2
+    assert "--claims=nope.json: no such file" in capsys.readouterr().err
+    assert not (records.parent / "README.md").exists()
+    assert board.main([f"--records={records}"]) == 0
+    by_cli = (records.parent / "README.md").read_text()
+    plain = board.build(records, records.parent)  # no audits, no PERF.json, no claims
+    assert by_cli == (records.parent / "README.md").read_text()
+    official = board.build(records, records.parent / "official",
+                           audits_dir=config.REPO_ROOT / "leaderboard" / "audits")
+    assert any(r["audit_epsilon_lb"] is not None for r in official[GROUP])  # what it left out
+    assert all(r["audit_epsilon_lb"] is None for r in plain[GROUP])
+
+
 def test_a_real_run_record_is_accepted(tmp_path):
     """The builder reads what train.py writes (guards against schema drift)."""
     group = tmp_path / "records" / "digits__mlp__eps3.0__delta0.0001"
-    config.parse_config(["pipelines/dpsgd.gin", "gin/data/digits.gin"],
+    config.parse_config(["pipelines/dpsgd/pipeline.gin", "gin/data/digits.gin"],
                       ["train.epochs = 1", "EPSILON = 3.0"])
     train.train(group / "dpsgd-seed0")
     table = board.build(tmp_path / "records", tmp_path)

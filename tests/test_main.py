@@ -9,7 +9,7 @@ import pytest
 from dpbench import accounting, compiler, config, train
 from tests.conftest import REPO_ROOT
 
-DIGITS = ["pipelines/dpsgd.gin", "gin/data/digits.gin"]
+DIGITS = ["pipelines/dpsgd/pipeline.gin", "gin/data/digits.gin"]
 QUICK = ["train.epochs = 2", "train.log_every_steps = 5"]
 
 
@@ -81,13 +81,18 @@ def test_missing_fashion_mnist_files_name_the_install_command(tmp_path, monkeypa
     monkeypatch.setattr(data, "_load_via_tfds", lambda *a, **k: (_ for _ in ()).throw(
         RuntimeError("no network")))
     with pytest.raises(FileNotFoundError, match="apt-get install -y dataset-fashion-mnist"):
-        run_in_process(tmp_path, files=["pipelines/dpsgd.gin"],
+        run_in_process(tmp_path, files=["pipelines/dpsgd/pipeline.gin"],
                        bindings=[f"dataset.data_dir = '{tmp_path}'"])
 
 
 def test_missing_gin_file_is_a_clear_error():
-    with pytest.raises(config.ConfigError, match="not found"):
+    with pytest.raises(config.ConfigError, match="not found.*pipelines/<name>/pipeline.gin"):
         config.parse_config(["pipelines/nope.gin"], [])
+
+
+def test_a_method_folder_stands_for_its_pipeline_file():
+    config.parse_config(["pipelines/rs", "gin/data/digits.gin"], [])
+    assert config.pipeline_stages()[0] == "rs"
 
 
 def _cli(monkeypatch, *args) -> int:
@@ -116,7 +121,8 @@ def test_an_unknown_command_says_which_exist(monkeypatch, capsys):
 
 @pytest.mark.parametrize("command,flag,default", [
     ("train", "--workdir", None), ("train", "--gin_file", "(default: '[]')"),
-    ("board", "--records", "(default: leaderboard/records)"),
+    ("board", "--records", f"(default: {REPO_ROOT / 'leaderboard' / 'records'})"),
+    ("board", "--out", "(default: the folder holding --records)"),
     ("audit", "--claimed_epsilon", "(default: '3.0')")])
 def test_each_commands_help_gives_its_flags_with_their_defaults(command, flag, default,
                                                                  monkeypatch, capsys):

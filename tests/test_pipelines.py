@@ -16,14 +16,14 @@ from dp_accounting.pld import common as pld_common
 from dp_accounting.pld import pld_privacy_accountant
 from dp_accounting.pld import privacy_loss_distribution as pld_lib
 
-from dpbench import config, numerics, records, train
+from dpbench import config, methods, numerics, records, train
 from tests.conftest import REPO_ROOT
 
-PIPELINES = sorted(p.name for p in (REPO_ROOT / "pipelines").glob("*.gin"))
+PIPELINES = sorted(methods.discover())  # every method folder under pipelines/
 
 
 def test_there_are_pipelines():
-    assert "dpsgd.gin" in PIPELINES
+    assert "dpsgd" in PIPELINES
 
 
 GOLDEN = REPO_ROOT / "tests" / "golden_pipelines.json"
@@ -188,16 +188,16 @@ DIGITS_BINDINGS = ("train.epochs = 2", "train.log_every_steps = 5", "dataset.pub
 
 
 def golden_run(key: str) -> tuple:
-    """(gin files, bindings) of golden run ``key``: a pipeline file's name, or
-    'dpssgd.gin+<prune>' (tools/golden_drift.py trains the same runs)."""
+    """(gin files, bindings) of golden run ``key``: a method's name, or
+    'dpssgd+<prune>' (tools/golden_drift.py trains the same runs)."""
     pipeline, _, prune = key.partition("+")
-    files = [f"pipelines/{pipeline}", "gin/data/digits.gin"]
+    files = [f"pipelines/{pipeline}/pipeline.gin", "gin/data/digits.gin"]
     if not prune:
         return files, list(DIGITS_BINDINGS)
     return files, ["train.epochs = 2", f"PRUNE = @prune.{prune}()", "prune.synflow.iterations = 10"]
 
 
-GOLDEN_KEYS = PIPELINES + ["dpssgd.gin+synflow", "dpssgd.gin+dp_snip"]
+GOLDEN_KEYS = PIPELINES + ["dpssgd+synflow", "dpssgd+dp_snip"]
 
 
 @pytest.mark.parametrize("pipeline", PIPELINES)
@@ -219,7 +219,7 @@ def _new_noise_key(monkeypatch):
         build(*a, **k), run_key=jax.random.key(20261125)))
 
 
-# Each a real change to what dpsgd.gin computes on digits; its golden check must fail.
+# Each a real change to what dpsgd computes on digits; its golden check must fail.
 REAL_CHANGES = {
     "clip bound +1%": ["clip.global_l2.l2_bound = 0.101"],
     "learning rate +1%": ["optimize.optax.learning_rate = 4.04"],
@@ -233,8 +233,8 @@ REAL_CHANGES = {
 def test_the_golden_check_fails_on_a_real_change(change, tmp_path, monkeypatch):
     """The cross-host tolerances still catch a 1% change of a setting, one more step and
     another noise key, each in the trained parameters themselves (test_pipeline_trains_on_digits
-    [dpsgd.gin] is the other direction: the unchanged run passes)."""
-    files = ["pipelines/dpsgd.gin", "gin/data/digits.gin"]
+    [dpsgd] is the other direction: the unchanged run passes)."""
+    files = ["pipelines/dpsgd/pipeline.gin", "gin/data/digits.gin"]
     bindings = list(DIGITS_BINDINGS)
     if callable(REAL_CHANGES[change]):
         REAL_CHANGES[change](monkeypatch)
@@ -243,10 +243,10 @@ def test_the_golden_check_fails_on_a_real_change(change, tmp_path, monkeypatch):
     config.parse_config(files, bindings)
     record = train.train(tmp_path / "run", gin_files=files)
     golden = json.loads(GOLDEN.read_text())
-    mismatches = golden_mismatches("dpsgd.gin", record, golden)
+    mismatches = golden_mismatches("dpsgd", record, golden)
     assert any(m.startswith("params: fingerprint distance") for m in mismatches), mismatches
     if change == "one extra step":
-        assert record["steps"] == golden["runs"]["dpsgd.gin"]["steps"] + 1
+        assert record["steps"] == golden["runs"]["dpsgd"]["steps"] + 1
         assert any(m.startswith("steps") for m in mismatches)
 
 
@@ -278,7 +278,7 @@ def test_the_scatter_linear_recipe_binds_its_model_features_and_settings():
 
 
 def test_scatter_cnn_trains_and_a_scatter_model_refuses_pixels(tmp_path):
-    files = ["pipelines/dpsgd.gin", "gin/data/digits.gin", "gin/model/scatter_cnn.gin"]
+    files = ["pipelines/dpsgd/pipeline.gin", "gin/data/digits.gin", "gin/model/scatter_cnn.gin"]
     config.parse_config(files, ["train.epochs = 2"])
     record = train.train(tmp_path / "run", gin_files=files)
     assert record["model"] == "scatter_cnn" and record["test_accuracy"] > 0.2
@@ -291,12 +291,12 @@ def test_scatter_cnn_trains_and_a_scatter_model_refuses_pixels(tmp_path):
 
 @pytest.mark.parametrize("prune", ["synflow", "dp_snip"])
 def test_dpssgd_prune_variants_by_binding(prune, tmp_path):
-    files, bindings = golden_run(f"dpssgd.gin+{prune}")
+    files, bindings = golden_run(f"dpssgd+{prune}")
     config.parse_config(files, bindings)
     record = train.train(tmp_path / "run", gin_files=files)
     assert record["stages"][1]["name"] == f"prune.{prune}"
     check_statement(record)
-    check_golden(f"dpssgd.gin+{prune}", record)
+    check_golden(f"dpssgd+{prune}", record)
     once = [m["source"] for m in record["privacy_statement"]["mechanisms"]
             if m["schedule"] == "once before training"]
     assert once == (["prune.dp_snip"] if prune == "dp_snip" else [])
@@ -310,7 +310,7 @@ def test_a_refit_without_validation_reports_its_last_step_and_says_so(tmp_path):
     refuses to rank the run (it chooses on validation)."""
     import gin
     from dpbench import board
-    files = ["pipelines/dpsgd.gin", "gin/data/digits.gin"]
+    files = ["pipelines/dpsgd/pipeline.gin", "gin/data/digits.gin"]
     config.parse_config(files, ["train.epochs = 2", "dataset.validation_size = 0"])
     record = train.train(tmp_path / "run", gin_files=files)
     config.parse_config(files, ["train.epochs = 2"])

@@ -14,7 +14,7 @@ def test_hlo_operations_names_each_instruction_with_its_jax_op():
 
 
 def test_a_dpsgd_step_is_profiled_per_operation():
-    spec = dict(gin_files=["pipelines/dpsgd.gin", "gin/data/digits.gin"], noise_multiplier=1.0,
+    spec = dict(gin_files=["pipelines/dpsgd", "gin/data/digits.gin"], noise_multiplier=1.0,
                 bindings=["train.batch_size = 64", "train.micro_batch_size = 32"])
     totals, operations = profile_ops.profile(spec, steps=3, warmup=1)
     assert totals and set(totals) <= set(operations)

@@ -28,8 +28,8 @@ PROTOCOL = {
         "space": {"optimize.optax.learning_rate": {"log_uniform": [0.5, 4.0]},
                   "train.batch_size": {"choice": [256], "privacy": True},
                   "train.epochs": {"choice": [1], "privacy": True}},
-        "methods": {"dpsgd": {"gin_file": "pipelines/dpsgd.gin", "trial0": RECIPE},
-                    "rs": {"gin_file": "pipelines/rs.gin", "trial0": RECIPE,
+        "methods": {"dpsgd": {"gin_file": "pipelines/dpsgd/pipeline.gin", "trial0": RECIPE},
+                    "rs": {"gin_file": "pipelines/rs/pipeline.gin", "trial0": RECIPE,
                            "space": {"sparsify.random_mask.final_rate": {
                                "uniform": [0.3, 0.9]}}}}}}}
 RUNS = [f"{m}-t{t}-seed{s}" for m in ("dpsgd", "rs") for t, s in ((0, 0), (1, 0))]
@@ -231,7 +231,7 @@ def test_an_unreachable_ray_address_is_refused_at_once_with_one_line(tmp_path, c
     (lambda f: f["space"].update({"optimize.optax.learning_rat": {"uniform": [1.0, 2.0]}}),
      r"method 'dpsgd', trial 1: its settings do not parse .*learning_rat"),
     (lambda f: f["methods"].update(mine=f["methods"].pop("dpsgd")),
-     r"method 'mine' runs pipelines/dpsgd.gin, whose pipeline.name is 'dpsgd'")])
+     r"method 'mine' runs pipelines/dpsgd/pipeline.gin, whose pipeline.name is 'dpsgd'")])
 def test_a_protocol_typo_or_a_misnamed_method_is_refused_before_anything_is_written(
         break_it, match, tmp_path):
     protocol = json.loads(json.dumps(PROTOCOL))

@@ -15,8 +15,7 @@ import numpy as np
 import pytest
 from dp_accounting import dp_event
 
-from dpbench import accounting, checkpoint, config, data, records, run_record, train
-from tests.conftest import REPO_ROOT
+from dpbench import accounting, checkpoint, config, data, methods, records, run_record, train
 
 
 def expect_check(check, *args, broken: bool) -> None:
@@ -76,15 +75,15 @@ def test_the_best_step_is_chosen_on_validation_never_on_test(select, tmp_path, m
 
 # ----------------------------------- 6. the statement's fields are the ledger's DpEvent's fields
 
-PIPELINES = sorted(p.name for p in (REPO_ROOT / "pipelines").glob("*.gin"))
+PIPELINES = sorted(methods.discover())  # every method folder under pipelines/
 SMALL = ("train.epochs = 2", "dataset.public_size = 64", "gep.embed_and_clip.num_anchors = 64",
          "gep.embed_and_clip.num_basis = 48", "prune.synflow.iterations = 10")
 MODELS = {"default": [], "scatter_linear": ["gin/model/scatter_linear.gin"]}
-CASES = {f"{p}-{m}": ([f"pipelines/{p}", "gin/data/digits.gin", *files], [])
+CASES = {f"{p}-{m}": ([f"pipelines/{p}/pipeline.gin", "gin/data/digits.gin", *files], [])
          for m, files in MODELS.items() for p in PIPELINES}
-CASES["dpssgd.gin+dp_snip-default"] = (["pipelines/dpssgd.gin", "gin/data/digits.gin"],
-                                       ["PRUNE = @prune.dp_snip()"])  # a one-off release
-SEVERAL_PARTS = ("gep.gin",)  # its release noises 2 parts (B-GEP releases the embedding only)
+CASES["dpssgd+dp_snip-default"] = (["pipelines/dpssgd/pipeline.gin", "gin/data/digits.gin"],
+                                   ["PRUNE = @prune.dp_snip()"])  # a one-off release
+SEVERAL_PARTS = ("gep",)  # its release noises 2 parts (B-GEP releases the embedding only)
 
 
 @functools.lru_cache(maxsize=1)  # the tests of one case run one after the other
@@ -204,7 +203,7 @@ def _checkpoint_with_epsilon(run, settings, directory, scale: float):
 @functools.lru_cache(maxsize=1)
 def built_dpsgd():
     """(run, its settings, config) of DP-SGD on digits for one epoch, compiled, not trained."""
-    config.parse_config(["pipelines/dpsgd.gin", "gin/data/digits.gin"], ["train.epochs = 1"])
+    config.parse_config(["pipelines/dpsgd", "gin/data/digits.gin"], ["train.epochs = 1"])
     name, stages = config.pipeline_stages()
     train_config, budget = config.TrainConfig(), accounting.Budget()
     run = train.build_run(stages, train_config, budget)

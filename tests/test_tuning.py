@@ -77,9 +77,9 @@ def protocol(**space):
                 "space": space or {"optimize.optax.learning_rate": {"log_uniform": [0.5, 4.0]},
                                    "train.batch_size": {"choice": [128, 256], "privacy": True},
                                    "train.epochs": {"value": 2, "privacy": True}},
-                "methods": {"dpsgd": {"gin_file": "pipelines/dpsgd.gin",
+                "methods": {"dpsgd": {"gin_file": "pipelines/dpsgd/pipeline.gin",
                                       "trial0": ["train.epochs = 2"]},
-                            "gep": {"gin_file": "pipelines/gep.gin",
+                            "gep": {"gin_file": "pipelines/gep/pipeline.gin",
                                     "exclude": ["optimize.optax.learning_rate"],
                                     "space": {"PRUNE": {"choice": ["@prune.random()"]}}}}}}}
 

@@ -33,7 +33,7 @@ USER_MODULE = textwrap.dedent('''
 
 GIN = textwrap.dedent('''
     import user_stages
-    include 'pipelines/dpsgd.gin'
+    include 'pipelines/dpsgd/pipeline.gin'
     include 'gin/data/digits.gin'
     STAGES = [@grad.per_example(), {extra}@clip.global_l2(), {late}@noise.gaussian(),
               @optimize.optax()]

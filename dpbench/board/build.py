@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 
+from dpbench import methods
 from dpbench import records as records_lib
 from dpbench.board.plots import plot_expected_best, plot_groups
 from dpbench.board.render import render_html, render_markdown
@@ -17,8 +18,10 @@ from dpbench.board.verdicts import v1_gains, verdict_tables, verdicts
 
 
 def build(records_dir, out_dir, audits_dir=None, perf_json=None, claims_json=None,
-          v1_records=None) -> dict:
-    """Validates the records and writes README.md, index.html and plots/ into ``out_dir``."""
+          v1_records=None, methods_dirs=(methods.BOARD_METHODS,)) -> dict:
+    """Validates the records and writes README.md, index.html and plots/ into ``out_dir``.
+    Each method's paper and claim come from its folder under ``methods_dirs``; ``claims_json``
+    adds the hand-written 'what changed' sentences of board groups."""
     out_dir = Path(out_dir)
     running = searches_in_progress(Path(records_dir))
     finished = [r for r in load_records(Path(records_dir)) if r["_group"] not in running]
@@ -32,8 +35,8 @@ def build(records_dir, out_dir, audits_dir=None, perf_json=None, claims_json=Non
             "trial and every winner's seed is published): " + "; ".join(
                 f"`{group}` {done} of {expected} runs" for group, (done, expected)
                 in sorted(running.items())) + ".\n"
-    claims = json.loads(Path(claims_json).read_text()) if claims_json and Path(
-        claims_json).is_file() else {}
+    claims = dict(what_changed=json.loads(Path(claims_json).read_text()).get(
+        "what_changed", {}) if claims_json else {}, methods=methods.claims(methods_dirs))
     tables = verdict_tables(verdicts(table, claims, v1_gains(v1_records)))
     records_lib.atomic_write_text(out_dir / "README.md",
                                   render_markdown(table, plots, note, trial_plots, tables))
@@ -42,31 +45,66 @@ def build(records_dir, out_dir, audits_dir=None, perf_json=None, claims_json=Non
     return table
 
 
+BOARD = methods.REPO_ROOT / "leaderboard"
+# Inputs only the committed board has: read by default when --records is its records.
+OFFICIAL_INPUTS = dict(audits=BOARD / "audits", claims=BOARD / "claims.json",
+                       v1_records=BOARD / "archive" / "v1" / "records", perf=BOARD / "PERF.json")
+
+
+def resolve_paths(args) -> str | None:
+    """Fills the defaults: --out is the folder holding --records (its README links to
+    records/...); the committed board's audits, claims, v1 records and PERF.json are read only
+    when --records is the committed board's. A path given but missing is an error (returned)."""
+    official = Path(args.records).resolve() == (BOARD / "records").resolve()
+    args.out = args.out or str(Path(args.records).resolve().parent)
+    for name, default in OFFICIAL_INPUTS.items():
+        given = getattr(args, name)
+        if given is None:
+            setattr(args, name, str(default) if official else None)
+        elif not Path(given).exists():
+            return f"--{name}={given}: no such file or folder"
+    if args.v1_records and Path(args.v1_records).resolve() == Path(args.records).resolve():
+        args.v1_records = None
+    return None
+
+
 def main(argv=None) -> int:
     import argparse
     parser = argparse.ArgumentParser(prog="dpbench board", description=(
-        "The leaderboard: run records in, leaderboard/README.md + index.html + plots out."),
+        "The leaderboard: run records in, README.md + index.html + plots out."),
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    parser.add_argument("--records", default="leaderboard/records",
+    parser.add_argument("--records", default=str(BOARD / "records"),
                         help="the run records, in group directories "
                              "<dataset>__<model>__eps<E>__delta<D>")
-    parser.add_argument("--audits", default="leaderboard/audits",
+    parser.add_argument("--out", default=None,
+                        help="where README.md, index.html and plots/ are written (default: the "
+                             "folder holding --records)")
+    parser.add_argument("--audits", default=None,
                         help="audit reports (dpbench audit --out=...), matched per pipeline and "
-                             "epsilon")
-    parser.add_argument("--out", default="leaderboard",
-                        help="where README.md, index.html and plots/ are written")
-    parser.add_argument("--claims", default="leaderboard/claims.json",
-                        help="each paper's claim, for the verdicts of v2 groups")
-    parser.add_argument("--v1_records", default="leaderboard/archive/v1/records",
-                        help="board v1's records: its gains go next to v2's in the verdicts")
-    parser.add_argument("--perf", default="leaderboard/PERF.json",
-                        help="the speed benchmark's JSON (python -m benchmarks.speed --out=X.md)")
+                             "epsilon (default: leaderboard/audits for the committed board)")
+    parser.add_argument("--claims", default=None,
+                        help="the sentences on what changed per group and method, for the "
+                             "verdicts (default: leaderboard/claims.json for the committed "
+                             "board; each paper's claim comes from its method folder)")
+    parser.add_argument("--v1_records", default=None,
+                        help="board v1's records: its gains go next to v2's in the verdicts "
+                             "(default: leaderboard/archive/v1/records for the committed board)")
+    parser.add_argument("--perf", default=None,
+                        help="the speed benchmark's JSON (python -m benchmarks.speed "
+                             "--out=X.md; default: leaderboard/PERF.json for the committed "
+                             "board)")
+    parser.add_argument("--methods_dirs", nargs="+", default=[],
+                        help="your folders holding method folders (<name>/method.json: paper "
+                             "and claim), searched before dpbench's own pipelines/")
     args = parser.parse_args(argv)
+    problem = resolve_paths(args)
+    if problem:
+        print(f"dpbench: error: {problem}", file=sys.stderr)
+        return 2
     try:
-        same = Path(args.v1_records).resolve() == Path(args.records).resolve()
         table = build(args.records, args.out, args.audits, args.perf, args.claims,
-                      None if same else args.v1_records)
-    except LeaderboardError as e:
+                      args.v1_records, [*args.methods_dirs, methods.BOARD_METHODS])
+    except (LeaderboardError, methods.MethodError) as e:
         print(f"dpbench: error: {e}", file=sys.stderr)
         return 2
     print(f"wrote {args.out}/README.md and {args.out}/index.html "

@@ -63,6 +63,8 @@ def _trials_cell(search) -> str:
     if search is None:
         return "n/a"
     law = search["law"]
+    if "fixed" in law:
+        return f"{search['num_trials']} (fixed K; ε composes the K runs)"
     name = LAWS.get(law["shape"], f"truncated neg. binomial, shape {law['shape']}")
     return f"{search['num_trials']} (1 + J, J ~ {name}, mean {law['mean_random']:g})"
 

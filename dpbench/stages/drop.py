@@ -1,4 +1,4 @@
-"""Gradient dropping (DP-SSGD; Adamczewski, He & Park; docs/methods/dpssgd.md).
+"""Gradient dropping (DP-SSGD; Adamczewski, He & Park; pipelines/dpssgd/README.md).
 
 Every step a fraction of each weight tensor's unpruned gradient coordinates is dropped BEFORE
 clipping (biases are kept, as in the paper's index sets), chosen

@@ -1,4 +1,4 @@
-"""GEP and B-GEP: gradient embedding perturbation (Yu et al., ICLR 2021; docs/methods/gep.md).
+"""GEP and B-GEP: gradient embedding perturbation (Yu et al., ICLR 2021; pipelines/gep/README.md).
 
 Every step (``begin_step``, public inputs only): anchor gradients of ``num_anchors`` examples of
 the dataset's declared PUBLIC split with random labels, at the current (public) parameters; per

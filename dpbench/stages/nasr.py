@@ -1,5 +1,5 @@
 """Nasr, Shokri & Houmansadr: gradient discretization + Bayesian error correction
-(docs/methods/nasr.md). Micro-batch size mu = 1 (per example), the paper's default.
+(pipelines/nasr/README.md). Micro-batch size mu = 1 (per example), the paper's default.
 
 Discretization (per example, before clipping): each gradient coordinate becomes +1 if > tau,
 -1 if < -tau, else 0; the clip then scales the ternary vector to L2 norm <= C.

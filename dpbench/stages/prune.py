@@ -1,4 +1,4 @@
-"""Pre-pruning before training (DP-SSGD; Adamczewski, He & Park; docs/methods/dpssgd.md).
+"""Pre-pruning before training (DP-SSGD; Adamczewski, He & Park; pipelines/dpssgd/README.md).
 
 A pruning stage computes a public parameter mask once, at initialization, zeroes the pruned
 weights, and then keeps them at zero: it masks every per-example gradient before clipping and

@@ -1,5 +1,5 @@
 """Index selection on the clipped sum: GIP's noisy top-k and the random-k baseline
-(GIP paper, docs/methods/gip.md).
+(GIP paper, pipelines/gip/README.md).
 
 The flat gradient sum is split into groups of ``group_size`` coordinates (in parameter order,
 zero-padded at the end). Per group a fraction k_t of coordinates is kept; the index mask is

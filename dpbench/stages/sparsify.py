@@ -1,4 +1,4 @@
-"""Random sparsification before clipping (RS; Zhu & Blaschko, TMLR 2023; docs/methods/rs.md)."""
+"""Random sparsification before clipping (RS; Zhu & Blaschko, TMLR 2023; pipelines/rs/README.md)."""
 
 from __future__ import annotations
 

@@ -1,0 +1,152 @@
+"""The tuning protocol FILE: its schema, read and checked before anything trains or is written
+(every error names the file and the key, and says what to change). What the protocol MEANS
+(trial counts, the search's epsilon) is ``dpbench.tuning``.
+
+Schema (JSON; docs/board-protocol.md has a complete 20-line example)::
+
+    {"delta": 1e-5, "epsilons": [3.0, 1.0], "seeds": [0, 1, 2],
+     "trials": {"shape": "inf", "mean_random": 5, "seed": 1}   # K = 1 + J, J ~ the law
+               or {"fixed": K},                                 # exactly K (smoke tests)
+     "method_dirs": ["my_methods"],          # optional; relative to this file; then pipelines/
+     "families": {"<dataset>__<model>": {
+         "gin_files": ["gin/data/...", "gin/model/..."],   # after each method's pipeline.gin
+         "base": ["train.x = 1"],                          # bindings of every trial
+         "space": {"<gin key>": {"log_uniform": [lo, hi]} | {"uniform": [lo, hi]}
+                                | {"choice": [...]} | {"value": x},   # + "privacy": true
+                   ...},
+         "methods": ["dpsgd", "mine"]}}}      # method folders (dpbench.methods)
+
+A method may also be given inline, ``"methods": {"name": {"gin_file": ..., "space": ...}}``.
+A space key that changes a run's DpEvent (batch size, epochs) must say ``"privacy": true`` and
+take finitely many values; the search's epsilon takes the worst of them.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from dpbench import methods
+
+SPEC_KINDS = ("log_uniform", "uniform", "choice", "value")
+TRIAL_COUNT_KEYS = ("shape", "mean_random", "seed")
+
+
+class ProtocolError(ValueError):
+    """A protocol file dpbench cannot run; the message says what to change."""
+
+
+def check_trials(method: str, gin_files, trials, run_bindings) -> None:
+    """Before anything is written or trained: every trial of ``method`` parses with gin
+    exactly as its run will (its gin files, its bindings, then ``run_bindings``), so a
+    misspelled key is refused here, not as a failed trial; and the pipeline those files name
+    is ``method`` (the board ranks records by their pipeline's name)."""
+    from dpbench import config  # here: the protocol's pure functions need no gin
+
+    for t, bindings in enumerate(trials):
+        try:
+            config.parse_config(list(gin_files), [*bindings, *run_bindings])
+            name, _ = config.pipeline_stages()
+        except (config.ConfigError, ValueError, TypeError) as e:
+            raise ProtocolError(f"method {method!r}, trial {t}: its settings do not parse "
+                                f"({e}); fix the key in the protocol") from e
+        if name != method:
+            raise ProtocolError(
+                f"method {method!r} runs {gin_files[0]}, whose pipeline.name is {name!r}: a "
+                f"protocol's method key must be its pipeline's name (the board ranks records "
+                f"by it); rename the key to {name!r} or set pipeline.name = '{method}'")
+
+
+def _check_spec(where: str, key: str, spec) -> None:
+    kinds = [k for k in SPEC_KINDS if isinstance(spec, dict) and k in spec]
+    if len(kinds) != 1 or set(spec) - {kinds[0], "privacy"}:
+        raise ProtocolError(f"{where}: {key} must be one of {{'log_uniform': [lo, hi]}}, "
+                            "{'uniform': [lo, hi]}, {'choice': [...]} or {'value': x}, with an "
+                            f"optional \"privacy\": true; got {spec!r}")
+    kind = kinds[0]
+    if kind in ("log_uniform", "uniform"):
+        lo, hi = spec[kind]
+        if not (lo < hi) or (kind == "log_uniform" and lo <= 0):
+            raise ProtocolError(f"{where}: {key} range {spec[kind]} must be [lo, hi] with "
+                                f"lo < hi{' and lo > 0' if kind == 'log_uniform' else ''}")
+    if kind == "choice" and not spec["choice"]:
+        raise ProtocolError(f"{where}: {key} has no choices")
+    if spec.get("privacy") and kind not in ("choice", "value"):
+        raise ProtocolError(f"{where}: {key} changes the run's DpEvent (\"privacy\": true), so "
+                            "it must be a finite 'choice' or a 'value': the search's epsilon "
+                            "takes the maximum over every value it can take")
+
+
+def _resolve_methods(path: Path, protocol: dict) -> None:
+    """A family's ``methods`` as a list of names -> each method folder's entry (its pipeline
+    file and its knobs for that family), found under the protocol's ``method_dirs`` (relative
+    to the protocol file) and then dpbench's own ``pipelines/``. An entry given inline as
+    {"gin_file": ..., ...} is kept as is. A family gin file found beside the protocol is named
+    by its full path (trials run from the repository's root)."""
+    extra = protocol.get("method_dirs", [])
+    if not isinstance(extra, list):
+        raise ProtocolError(f"{path}: 'method_dirs' must be a list of folders, got {extra!r}")
+    dirs = [path.parent / d for d in extra] + [methods.BOARD_METHODS]
+    dirs = list(dict.fromkeys(d.resolve() for d in dirs))
+    for family, spec in protocol["families"].items():
+        # a family's own gin file beside the protocol (a researcher's folder) by its full path:
+        # trials run from the repository's root
+        if "gin_files" in spec:
+            spec["gin_files"] = [str((path.parent / f).resolve()) if (path.parent / f).is_file()
+                                 else f for f in spec["gin_files"]]
+        if isinstance(spec.get("methods"), list):
+            try:
+                found = methods.discover(dirs)
+            except methods.MethodError as e:
+                raise ProtocolError(f"{path}: {e}") from e
+            unknown = [m for m in spec["methods"] if m not in found]
+            if unknown:
+                raise ProtocolError(
+                    f"{path}: family {family}: no method folder {unknown} under "
+                    f"{', '.join(map(str, dirs))}; add the folder's parent to 'method_dirs'")
+            spec["methods"] = {m: found[m].search_entry(family) for m in spec["methods"]}
+
+
+def _check_trial_law(path: Path, trials: dict) -> None:
+    if "fixed" in trials:
+        k = trials["fixed"]
+        if set(trials) - {"fixed", "why"} or isinstance(k, bool) or not isinstance(k, int) \
+                or k < 1:
+            raise ProtocolError(f"{path}: 'trials': {{\"fixed\": K}} takes one integer K >= 1 "
+                                f"(every method runs exactly K trials), got {trials}")
+        return
+    missing = [k for k in TRIAL_COUNT_KEYS if k not in trials]
+    if missing or trials["mean_random"] < 1 or not (
+            trials["shape"] == "inf" or isinstance(trials["shape"], (int, float))
+            and trials["shape"] >= 0):
+        raise ProtocolError(f"{path}: 'trials' needs shape >= 0 (0 logarithmic, 1 geometric, "
+                            "\"inf\" Poisson), mean_random >= 1 and seed, or {\"fixed\": K}; "
+                            f"missing {missing or 'nothing'}, got {trials}")
+
+
+def load_protocol(path) -> dict:
+    """The protocol file, validated (every error names the file and the key), with each
+    family's methods resolved to their entries."""
+    path = Path(path)
+    try:
+        protocol = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ProtocolError(f"{path}: unreadable protocol ({e})") from e
+    for key in ("delta", "epsilons", "seeds", "trials", "families"):
+        if key not in protocol:
+            raise ProtocolError(f"{path}: missing '{key}'")
+    _check_trial_law(path, protocol["trials"])
+    _resolve_methods(path, protocol)
+    for family, spec in protocol["families"].items():
+        where = f"{path}: family {family}"
+        for key, value in spec.get("space", {}).items():
+            _check_spec(where, key, value)
+        if not spec.get("methods"):
+            raise ProtocolError(f"{where}: no methods")
+        for method, m in spec["methods"].items():
+            if "gin_file" not in m:
+                raise ProtocolError(f"{where}: method {method} needs a 'gin_file' (or list the "
+                                    "family's methods by name, each a method folder)")
+            for key, value in m.get("space", {}).items():
+                _check_spec(f"{where} method {method}", key, value)
+    return protocol

@@ -1,0 +1,164 @@
+"""A method is a folder (dpbench.methods): a researcher adds one, in a folder of their own, with
+one stage module beside its pipeline, and puts it on a board next to DP-SGD through
+`dpbench sweep` and `dpbench board` without touching a file of the repository."""
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+from dp_accounting import dp_event
+from dp_accounting.rdp import rdp_privacy_accountant
+
+from dpbench import accounting, methods, protocol, tuning
+from tests.conftest import REPO_ROOT
+
+STAGE_MODULE = textwrap.dedent('''
+    import jax
+
+    from dpbench.stages import Kind, Stage, register_stage, stateless
+
+
+    @register_stage("halfclip.scale")
+    def scale(factor: float = 0.5) -> Stage:
+        """Scales each example's gradient before the clip (the clip bounds what it does)."""
+        return Stage(name="halfclip.scale", kind_in=Kind.PER_EXAMPLE,
+                     kind_out=Kind.PER_EXAMPLE, options=dict(factor=factor),
+                     make=stateless(lambda grads, state, ctx: jax.tree.map(
+                         lambda g: factor * g, grads)))
+''')
+PIPELINE = textwrap.dedent('''
+    import halfclip_stages
+    include 'pipelines/dpsgd/pipeline.gin'
+    STAGES = [@grad.per_example(), @halfclip.scale(), @clip.global_l2(), @noise.gaussian(),
+              @optimize.optax()]
+    pipeline.name = 'halfclip'
+''')
+METHOD = {"paper": "A. Researcher, 2026", "claim": "+9 over DP-SGD (made up for this test)",
+          "search": {"*": {"space": {"halfclip.scale.factor": {"uniform": [0.2, 0.8]}}}}}
+def documented_protocol() -> dict:
+    """The example protocol of docs/board-protocol.md ("Writing your own protocol"): the test
+    runs what the documentation shows."""
+    text = (REPO_ROOT / "docs" / "board-protocol.md").read_text()
+    section = text[text.index("## Writing your own protocol"):]
+    return json.loads(section[section.index("```json") + 7:section.index("```\n", 10)])
+
+
+PROTOCOL = documented_protocol()
+GROUP = "digits__logistic__eps3.0__delta1e-05"
+
+
+def make_method(root):
+    folder = root / "my_methods" / "halfclip"
+    folder.mkdir(parents=True)
+    (folder / "halfclip_stages.py").write_text(STAGE_MODULE)
+    (folder / "pipeline.gin").write_text(PIPELINE)
+    (folder / "method.json").write_text(json.dumps(METHOD))
+    (folder / "README.md").write_text("# halfclip\n\nHalves each gradient before the clip.\n")
+    (root / "protocol.json").write_text(json.dumps(PROTOCOL))
+    return folder
+
+
+def repo_status() -> str:
+    return subprocess.run(["git", "status", "--porcelain"], cwd=REPO_ROOT, capture_output=True,
+                          text=True, check=True).stdout
+
+
+def test_every_board_method_is_a_folder_with_its_three_files():
+    found = methods.discover()
+    assert set(found) >= {"dpsgd", "rs", "dpssgd", "gip", "randomk", "nasr", "gep", "bgep"}
+    for name, method in found.items():
+        assert method.gin_file == f"pipelines/{name}/pipeline.gin"
+        assert method.paper
+    assert found["gep"].search_entry("fashion_mnist__tanh_cnn")["exclude"] == [
+        "clip.global_l2.l2_bound"]
+
+
+@pytest.mark.parametrize("damage,match", [
+    (lambda f: (f / "README.md").unlink(), "missing README.md"),
+    (lambda f: (f / "method.json").write_text('{"claim": "x"}'), 'needs "paper"'),
+    (lambda f: (f / "method.json").write_text('{"paper": "x", "serch": {}}'), "only the keys"),
+    (lambda f: (f / "method.json").write_text(
+        '{"paper": "x", "search": {"*": {"spcae": {}}}}'), "search.\\* takes only"),
+])
+def test_a_broken_method_folder_is_refused_naming_the_file(tmp_path, damage, match):
+    folder = make_method(tmp_path)
+    damage(folder)
+    with pytest.raises(protocol.ProtocolError, match=match) as e:
+        tuning.load_protocol(tmp_path / "protocol.json")
+    assert str(folder) in str(e.value)
+
+
+def test_a_protocol_names_methods_by_folder_and_refuses_an_unknown_or_doubled_one(tmp_path):
+    make_method(tmp_path)
+    loaded = tuning.load_protocol(tmp_path / "protocol.json")
+    entries = loaded["families"]["digits__logistic"]["methods"]
+    assert entries["dpsgd"] == {"gin_file": "pipelines/dpsgd/pipeline.gin"}
+    assert entries["halfclip"] == {
+        "gin_file": str(tmp_path / "my_methods" / "halfclip" / "pipeline.gin"),
+        "space": METHOD["search"]["*"]["space"]}
+    bad = dict(PROTOCOL, families={"digits__logistic": dict(
+        PROTOCOL["families"]["digits__logistic"], methods=["dpsgd", "halfclp"])})
+    (tmp_path / "protocol.json").write_text(json.dumps(bad))
+    with pytest.raises(protocol.ProtocolError, match=r"no method folder \['halfclp'\]"):
+        tuning.load_protocol(tmp_path / "protocol.json")
+    (tmp_path / "my_methods" / "dpsgd").mkdir()
+    for name in ("pipeline.gin", "method.json", "README.md"):
+        (tmp_path / "my_methods" / "dpsgd" / name).write_text("{\"paper\": \"x\"}")
+    with pytest.raises(protocol.ProtocolError, match="'dpsgd' is in both"):
+        tuning.load_protocol(tmp_path / "protocol.json")
+
+
+@pytest.mark.parametrize("q,sigma,steps", [
+    (0.01, 1.0, 200),
+    (0.197, 1.19, 6),  # a run whose RDP is infinite at small orders (0 x inf once gave eps 0)
+])
+def test_a_fixed_trial_count_composes_its_runs(q, sigma, steps):
+    event = dp_event.SelfComposedDpEvent(
+        dp_event.PoissonSampledDpEvent(q, dp_event.GaussianDpEvent(sigma)), steps)
+    for fixed in (0, 2):
+        rdp = rdp_privacy_accountant.RdpAccountant()
+        rdp.compose(event, 1 + fixed)
+        got = tuning.search_epsilon(event, [event], mean_random=0.0, shape=0.0, delta=1e-5,
+                                    fixed_random=fixed)
+        assert got == pytest.approx(rdp.get_epsilon(1e-5), rel=1e-9)
+        assert got > 1.0
+    with pytest.raises(protocol.ProtocolError, match="fixed"):
+        protocol._check_trial_law("p.json", {"fixed": 0})
+
+
+def test_a_researchers_method_goes_from_its_folder_to_the_board(tmp_path):
+    """Acceptance: one stage module + one method folder, run from the researcher's own folder
+    through `dpbench sweep` (digits, K = 1) and `dpbench board`; no file of the repository
+    changes."""
+    folder = make_method(tmp_path)
+    before = repo_status()
+    dpbench = [sys.executable, "-m", "dpbench.main"]
+    swept = subprocess.run(
+        [*dpbench, "sweep", "--protocol=protocol.json", "--records=board/records",
+         "--runs_dir=runs", "--cpus=2"], cwd=tmp_path, capture_output=True, text=True,
+        timeout=400)
+    assert swept.returncode == 0, swept.stdout[-3000:] + swept.stderr[-3000:]
+    group = tmp_path / "board" / "records" / GROUP
+    record = json.loads((group / "halfclip-t0-seed0" / "run_record.json").read_text())
+    assert record["pipeline"] == "halfclip" and record["stages"][1]["name"] == "halfclip.scale"
+    assert record["stage_sources"][0]["path"] == str(folder / "halfclip_stages.py")
+    assert (group / "halfclip-t0-seed1" / "run_record.json").exists()  # the winner's seed
+    summary = tuning.search_summary(group)
+    # K = 1: the search's release is trial 0's run, in RDP
+    rdp = rdp_privacy_accountant.RdpAccountant()
+    rdp.compose(accounting._rdp_view(accounting.event_from_json(record["dp_event"]))[0])
+    assert summary["halfclip"]["num_trials"] == 1
+    assert summary["halfclip"]["search_epsilon"] == pytest.approx(rdp.get_epsilon(1e-5),
+                                                                  rel=1e-6)
+    shown = subprocess.run(
+        [*dpbench, "board", "--records=board/records", "--methods_dirs", "my_methods"],
+        cwd=tmp_path, capture_output=True,
+        text=True, timeout=300)
+    assert shown.returncode == 0, shown.stderr[-3000:]
+    text = (tmp_path / "board" / "README.md").read_text()
+    row = next(line for line in text.splitlines() if line.startswith("| halfclip | A. Res"))
+    assert "+9 over DP-SGD" in row and f"{summary['halfclip']['search_epsilon']:.3f}" in row
+    assert "1 (fixed K; ε composes the K runs)" in text
+    assert repo_status() == before

@@ -40,8 +40,9 @@ def check_trials(method: str, gin_files, trials, run_bindings) -> None:
     """Before anything is written or trained: every trial of ``method`` parses with gin
     exactly as its run will (its gin files, its bindings, then ``run_bindings``), so a
     misspelled key is refused here, not as a failed trial; and the pipeline those files name
-    is ``method`` (the board ranks records by their pipeline's name)."""
-    from dpbench import config  # here: the protocol's pure functions need no gin
+    is ``method`` (the board ranks records by their pipeline's name); and trial 0's stages that
+    are not dpbench's own pass their declaration checks (each trial's run checks its own)."""
+    from dpbench import config, stage_check  # here: reading a protocol needs neither
 
     for t, bindings in enumerate(trials):
         try:
@@ -55,6 +56,11 @@ def check_trials(method: str, gin_files, trials, run_bindings) -> None:
                 f"method {method!r} runs {gin_files[0]}, whose pipeline.name is {name!r}: a "
                 f"protocol's method key must be its pipeline's name (the board ranks records "
                 f"by it); rename the key to {name!r} or set pipeline.name = '{method}'")
+    config.parse_config(list(gin_files), [*trials[0], *run_bindings])
+    try:
+        stage_check.verify_pipeline(config.pipeline_stages()[1])
+    except stage_check.StageCheckError as e:
+        raise ProtocolError(f"method {method!r}: {e}") from e
 
 
 def _check_spec(where: str, key: str, spec) -> None:

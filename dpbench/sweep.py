@@ -235,7 +235,8 @@ def winners_of(plans, records: Path) -> dict:
 
 
 def run_phase(name: str, jobs: list, args) -> list:
-    """One Tune experiment over ``jobs`` (restored when it exists). Returns failed jobs."""
+    """One Tune experiment over ``jobs`` (restored when it exists). Returns the failed jobs,
+    each with its error."""
     if not jobs:  # e.g. the seeds phase of a protocol with one seed (Tune fails on no trials)
         return []
     from ray import tune
@@ -252,7 +253,17 @@ def run_phase(name: str, jobs: list, args) -> list:
                            run_config=tune.RunConfig(storage_path=str(storage), name=path.name,
                                                      verbose=1))
     results = tuner.fit()
-    return [r.config["job"] for r in results if r.error is not None]
+    return [(r.config["job"], str(r.error)) for r in results if r.error is not None]
+
+
+def retry_advice(error: str) -> str:
+    """Whether rerunning can help a failed trial: a dpbench run that exits 2 refused its input
+    (settings, a stage's declaration), which a rerun meets again; anything else (a crash, a
+    kill, a lost worker) may pass on a rerun, which resumes the trial."""
+    if "(exit 2)" in error:
+        return ("its run refused its input (exit 2): a rerun fails the same way; fix the "
+                "trial's settings or stage (its log says what), then rerun")
+    return "rerun the same command to retry it (the trial resumes from its checkpoint)"
 
 
 def unreachable_reason(address: str, timeout: float = 30.0):
@@ -357,9 +368,9 @@ def main(argv=None) -> int:
     if not failed:
         failed = run_phase("seeds", _jobs(plans, "seeds", args,
                                           winners_of(plans, args.records)), args)
-    for job in failed:
+    for job, error in failed:
         print(f"FAILED: {job['group']}/{run_dir_name(job['method'], job['trial'], job['seed'])}"
-              " (rerun the same command to retry it)", file=sys.stderr)
+              f": {retry_advice(error)}", file=sys.stderr)
     print(f"sweep {'incomplete' if failed else 'done'} in {time.time() - t0:.0f}s", flush=True)
     return 1 if failed else 0
 

@@ -17,7 +17,7 @@ import numpy as np
 from absl import logging
 
 from dpbench import (accounting, checkpoint, compiler, data, numerics, records, run_record,
-                     sharding)
+                     sharding, stage_check)
 from dpbench.config import TrainConfig, pipeline_stages  # noqa: F401  (train.TrainConfig too)
 # train.build_run and train.total_steps_for stay the API the benchmark and tests call
 from dpbench.run import Run, build_run, run_settings, total_steps_for  # noqa: F401
@@ -288,6 +288,8 @@ def train(workdir: str | Path, config: Optional[TrainConfig] = None,
     budget = accounting.Budget() if budget is None else budget
     pipeline_name, stages = pipeline_stages()
     compiler.validate_pipeline(stages)  # fail on a bad pipeline before loading any data
+    # a stage that is not dpbench's own: its declaration verified on synthetic data first
+    verified = stage_check.verify_pipeline(stages)
     prepare_workdir(workdir, overwrite)
     run = build_run(stages, config, budget)
     compiled, sampler = run.compiled, run.sampler
@@ -313,6 +315,8 @@ def train(workdir: str | Path, config: Optional[TrainConfig] = None,
     ckpts.close()
     record = _run_record(loop, state, progress, pipeline_name, gin_files, budget, end_step,
                          stop_reason)
+    for source in record["stage_sources"]:  # what dpbench verified of each outside stage
+        source["checks_passed"] = verified[source["stage"]]
     records.atomic_write_text(workdir / "operative_config.gin", gin.operative_config_str())
     records.atomic_write_text(workdir / records.RECORD_NAME, records.to_json(record))
     logging.info("done: test accuracy %.4f (best validation %s at step %d), epsilon %.4f",

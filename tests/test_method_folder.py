@@ -130,8 +130,8 @@ def test_a_fixed_trial_count_composes_its_runs(q, sigma, steps):
 
 def test_a_researchers_method_goes_from_its_folder_to_the_board(tmp_path):
     """Acceptance: one stage module + one method folder, run from the researcher's own folder
-    through `dpbench sweep` (digits, K = 1) and `dpbench board`; no file of the repository
-    changes."""
+    with the documented protocol (digits, K fixed at 2, dpsgd and the new method) through
+    `dpbench sweep` and `dpbench board`; no file of the repository changes."""
     folder = make_method(tmp_path)
     before = repo_status()
     dpbench = [sys.executable, "-m", "dpbench.main"]
@@ -144,12 +144,13 @@ def test_a_researchers_method_goes_from_its_folder_to_the_board(tmp_path):
     record = json.loads((group / "halfclip-t0-seed0" / "run_record.json").read_text())
     assert record["pipeline"] == "halfclip" and record["stages"][1]["name"] == "halfclip.scale"
     assert record["stage_sources"][0]["path"] == str(folder / "halfclip_stages.py")
-    assert (group / "halfclip-t0-seed1" / "run_record.json").exists()  # the winner's seed
     summary = tuning.search_summary(group)
-    # K = 1: the search's release is trial 0's run, in RDP
+    winner = summary["halfclip"]["winner"]
+    assert (group / f"halfclip-t{winner}-seed1" / "run_record.json").exists()  # its 2nd seed
+    # K = 2 fixed, one support point (trial 0's own event): the search composes two such runs
     rdp = rdp_privacy_accountant.RdpAccountant()
-    rdp.compose(accounting._rdp_view(accounting.event_from_json(record["dp_event"]))[0])
-    assert summary["halfclip"]["num_trials"] == 1
+    rdp.compose(accounting._rdp_view(accounting.event_from_json(record["dp_event"]))[0], 2)
+    assert summary["halfclip"]["num_trials"] == 2
     assert summary["halfclip"]["search_epsilon"] == pytest.approx(rdp.get_epsilon(1e-5),
                                                                   rel=1e-6)
     shown = subprocess.run(
@@ -160,5 +161,42 @@ def test_a_researchers_method_goes_from_its_folder_to_the_board(tmp_path):
     text = (tmp_path / "board" / "README.md").read_text()
     row = next(line for line in text.splitlines() if line.startswith("| halfclip | A. Res"))
     assert "+9 over DP-SGD" in row and f"{summary['halfclip']['search_epsilon']:.3f}" in row
-    assert "1 (fixed K; ε composes the K runs)" in text
+    assert "2 (fixed K; ε composes the K runs)" in text
     assert repo_status() == before
+
+
+LYING_STAGES = textwrap.dedent('''
+    from dpbench import ops
+    from dpbench.stages import Kind, Stage, register_stage, stateless
+
+
+    @register_stage("liar.clip")
+    def clip() -> Stage:
+        """Declares clip bound 0.1 but clips at 1.0."""
+        return Stage(name="liar.clip", kind_in=Kind.PER_EXAMPLE, kind_out=Kind.BOUNDED,
+                     make=stateless(lambda g, state, ctx: ops.clip_to_l2(g, 1.0)), l2_bound=0.1)
+''')
+
+
+def test_a_method_whose_stage_lies_is_refused_by_the_sweep_before_anything_is_written(
+        tmp_path, capsys):
+    from dpbench import sweep
+    make_method(tmp_path)
+    folder = tmp_path / "my_methods" / "liar"
+    folder.mkdir()
+    (folder / "liar_stages.py").write_text(LYING_STAGES)
+    (folder / "pipeline.gin").write_text(
+        "import liar_stages\ninclude 'pipelines/dpsgd/pipeline.gin'\nSTAGES = "
+        "[@grad.per_example(), @liar.clip(), @noise.gaussian(), @optimize.optax()]\n"
+        "pipeline.name = 'liar'\n")
+    (folder / "method.json").write_text('{"paper": "nobody"}')
+    (folder / "README.md").write_text("# liar\n")
+    protocol = json.loads((tmp_path / "protocol.json").read_text())
+    protocol["families"]["digits__logistic"]["methods"] = ["liar"]
+    (tmp_path / "protocol.json").write_text(json.dumps(protocol))
+    records = tmp_path / "records"
+    assert sweep.main([f"--protocol={tmp_path / 'protocol.json'}", f"--records={records}",
+                       f"--runs_dir={tmp_path / 'runs'}", "--prepare_only", "--cpus=1"]) == 2
+    err = capsys.readouterr().err
+    assert "method 'liar': stage 'liar.clip' fails the 'bound' check" in err
+    assert not records.exists()

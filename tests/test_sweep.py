@@ -259,3 +259,10 @@ def test_a_users_protocol_never_publishes_into_the_committed_board_by_default(tm
     assert sweep.foreign_protocol_reason(tmp_path / "protocol.json", tmp_path, False) is None
     assert sweep.foreign_protocol_reason(tmp_path / "protocol.json", official / "records",
                                          True) is None
+
+
+def test_a_failed_trial_says_whether_a_rerun_can_help():
+    refused = "RuntimeError: rs-t1-seed0 failed (exit 2); log: /x.log:\nBudgetError: ..."
+    crashed = "RuntimeError: rs-t1-seed0 failed (exit -9); log: /x.log:\n"
+    assert "a rerun fails the same way" in sweep.retry_advice(refused)
+    assert "rerun the same command" in sweep.retry_advice(crashed)

@@ -12,6 +12,7 @@ from pathlib import Path
 USER_MODULE = textwrap.dedent('''
     import jax
 
+    from dpbench import ops
     from dpbench.stages import Kind, Stage, register_stage, stateless
 
 
@@ -22,6 +23,13 @@ USER_MODULE = textwrap.dedent('''
                      make=stateless(lambda grads, state, ctx: jax.tree.map(
                          lambda g: factor * g, grads)),
                      options=dict(factor=factor))
+
+
+    @register_stage("user.loose_clip")
+    def loose_clip() -> Stage:
+        """Lies: declares clip bound 0.1 but clips at 1.0."""
+        return Stage(name="user.loose_clip", kind_in=Kind.PER_EXAMPLE, kind_out=Kind.BOUNDED,
+                     make=stateless(lambda g, state, ctx: ops.clip_to_l2(g, 1.0)), l2_bound=0.1)
 
 
     @register_stage("user.peek")
@@ -62,10 +70,33 @@ def test_a_users_own_stage_trains_and_a_misdeclared_one_is_rejected(tmp_path):
     module = tmp_path / "user_stages.py"
     assert record["stage_sources"] == [dict(
         stage="user.scale", module="user_stages", path=str(module.resolve()),
-        sha256=hashlib.sha256(module.read_bytes()).hexdigest())]
+        sha256=hashlib.sha256(module.read_bytes()).hexdigest(),
+        checks_passed=["jit", "bound", "state"])]  # verified before training
     assert isinstance(record["git_dirty"], bool)
     bad = _dpbench(tmp_path, GIN.format(extra="", late="@user.peek(), "), "bad")
     assert bad.returncode == 2
     assert "stage #2 'user.peek' reads the private aggregate" in bad.stderr
     assert "DP cost" in bad.stderr
     assert not (tmp_path / "bad-run" / "run_record.json").exists()
+
+
+def test_a_stage_that_lies_about_its_bound_is_refused_before_training(tmp_path):
+    """`dpbench check` and `dpbench train` verify a user's stage before any private training:
+    one that declares clip bound 0.1 but clips at 1.0 is refused naming the stage and the
+    check, and no record is written; an honest one passes `dpbench check`."""
+    (tmp_path / "user_stages.py").write_text(USER_MODULE)
+    liar = GIN.format(extra="", late="").replace("@clip.global_l2()", "@user.loose_clip()")
+    trained = _dpbench(tmp_path, liar, "liar")
+    assert trained.returncode == 2
+    assert "stage 'user.loose_clip' fails the 'bound' check" in trained.stderr
+    assert not (tmp_path / "liar-run" / "run_record.json").exists()
+    command = Path(sys.executable).parent / "dpbench"
+    checked = subprocess.run([str(command), "check", "--gin_file=liar.gin"], cwd=tmp_path,
+                             capture_output=True, text=True, timeout=300)
+    assert checked.returncode == 2 and "'bound' check" in checked.stderr
+    (tmp_path / "good.gin").write_text(GIN.format(extra="@user.scale(), ", late=""))
+    checked = subprocess.run([str(command), "check", "--gin_file=good.gin"], cwd=tmp_path,
+                             capture_output=True, text=True, timeout=300)
+    assert checked.returncode == 0, checked.stderr[-2000:]
+    assert "user.scale: passed jit, bound, state" in checked.stdout
+    assert "clip.global_l2: dpbench's own" in checked.stdout

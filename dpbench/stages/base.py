@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import inspect
 from types import MappingProxyType
 from typing import Any, Callable, Mapping, NamedTuple, Optional
 
@@ -209,7 +210,14 @@ def register_stage(name: str):
 
     def decorator(factory):
         if name in _REGISTERED:
-            raise ValueError(f"stage {name!r} is registered twice")
+            old = inspect.unwrap(_REGISTERED[name])
+            if (old.__module__, old.__qualname__) != (factory.__module__, factory.__qualname__):
+                raise ValueError(f"stage {name!r} is registered twice: by {old.__module__}."
+                                 f"{old.__qualname__} and {factory.__module__}."
+                                 f"{factory.__qualname__}; rename one")
+            # the same function again: its module was re-imported (importlib.reload in a
+            # notebook). gin has no public unregister; its registry's pop is the one reach in.
+            gin.config._REGISTRY.pop(name)  # noqa: SLF001
         configurable = gin.configurable(fn_name, module=module)(factory)
         _REGISTERED[name] = configurable
         return configurable

@@ -1,0 +1,276 @@
+"""Stage declarations verified, not trusted: ``dpbench check``, and what ``dpbench train`` and
+``dpbench sweep`` run before any private training on every stage that is not dpbench's own.
+
+A stage's privacy declaration (its kinds, clip bound, Lipschitz factor, cost, masks) is what the
+compiler derives the sensitivity and the accounting from; a stage that lies about it trains and
+states a guarantee it does not have. So each stage, configured as the pipeline binds it, is
+placed in the smallest pipeline its kinds allow, compiled by the one compiler on a small public
+synthetic problem (logistic regression on 8x8 random images), and must pass:
+
+1. ``jit``: the step jits, trains to a finite loss and does not recompile across steps;
+2. ``bound``: one added example with a huge input (scaled 1e3 and 1e6, its least likely label)
+   moves the noise-free clipped sum by at most the clip bound (per part, times the Lipschitz
+   factors of the bounded stages); an aggregate transform moves its output by at most its
+   declared Lipschitz factor times the change of its input;
+3. ``state``: from the same state and keys, two different private batches leave its state
+   identical, unless it is an accounted mechanism (a cost or a one-off release) or reads only
+   released values;
+4. ``mask``: a declared ``Mask.PER_EXAMPLE`` (its per-example apply IS its public mask, so
+   book-keeping may skip materializing it) gives the same clipped sum compiled either way;
+5. ``elementwise``: a declared ``elementwise`` stage maps a reordered gradient to the same
+   reordering of its output, whatever its key.
+
+Inputs are public synthetic data: checking reads nothing private and spends no privacy.
+tests/test_stage_contract.py runs the same checks on every registered stage, and on broken
+twins that must fail them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from dpbench import accounting, compiler, models, sampling, stages
+from dpbench.stages.base import Kind as K
+
+SHAPE, CLASSES, N, BATCH, MICRO = (8, 8, 1), 4, 32, 8, 8
+CHECKS = ("jit", "bound", "state", "mask", "elementwise")
+TEMPLATES = {  # (kind_in, kind_out) -> the pipeline around the stage X
+    (K.EXAMPLE, K.PER_EXAMPLE): "X clip noise opt",
+    (K.PER_EXAMPLE, K.PER_EXAMPLE): "grad X clip noise opt",
+    (K.PER_EXAMPLE, K.BOUNDED): "grad X noise opt",
+    (K.BOUNDED, K.BOUNDED): "grad clip X noise opt",
+    (K.AGGREGATE, K.AGGREGATE): "grad clip X noise opt",
+    (K.AGGREGATE, K.RELEASED): "grad clip X opt",
+    (K.RELEASED, K.RELEASED): "grad clip noise X opt",
+    (K.RELEASED, K.UPDATES): "grad clip noise X",
+}
+
+
+class StageCheckError(ValueError):
+    """A stage whose declaration does not hold (or cannot be checked); names stage and check."""
+
+    def __init__(self, stage: str, check: str, detail: str):
+        super().__init__(f"stage {stage!r} fails the {check!r} check: {detail}; it is refused "
+                         "before any private training (dpbench check explains each check)")
+        self.stage, self.check = stage, check
+
+
+@dataclasses.dataclass
+class Harness:
+    """One stage compiled in its smallest pipeline, with synthetic data and an initial state."""
+    stage: stages.Stage
+    index: int
+    compiled: object
+    model: object
+    images: np.ndarray
+    labels: np.ndarray
+    state: object
+
+    def batch(self, images, labels, mask=None, step=0):
+        b = self.compiled.sampler.sample(0 if step is None else step)
+        return self.compiled.host_batch(images[b.indices], labels[b.indices],
+                                        b.mask if mask is None else mask, step)
+
+
+def smallest_pipeline(stage: stages.Stage) -> list:
+    parts = dict(grad=stages.grad.per_example, clip=lambda: stages.clip.global_l2(1.0),
+                 noise=stages.noise.gaussian,
+                 opt=lambda: stages.optimize.optax_optimizer(optimizer="sgd", learning_rate=1.0))
+    template = TEMPLATES.get((stage.kind_in, stage.kind_out))
+    if template is None:
+        raise StageCheckError(stage.name, "jit", f"no pipeline takes kinds {stage.kind_in} -> "
+                              f"{stage.kind_out}")
+    return [stage if p == "X" else parts[p]() for p in template.split()]
+
+
+def compile_small(stage_list, with_model: bool = True):
+    """The pipeline compiled on logistic regression (its own linearized twin, for SynFlow);
+    with the model the compiler picks its per-example strategy, without it materializes."""
+    model = models.make_model(CLASSES, name="logistic")
+    sampler = sampling.PoissonSampler(N, BATCH, seed=0, pad_multiple=MICRO)
+    public = np.random.default_rng(1).uniform(size=(512,) + SHAPE).astype(np.float32)
+    compiled = compiler.compile_pipeline(
+        stage_list, loss_fn=models.cross_entropy_loss(model),
+        init_params=lambda key: model.init(key, jnp.zeros((1,) + SHAPE)), example_shape=SHAPE,
+        sampler=sampler, budget=accounting.Budget(epsilon=3.0, delta=1e-5, accountant="rdp"),
+        total_steps=10, steps_per_epoch=4, micro_batch_size=MICRO, public_images=public,
+        num_classes=CLASSES, linear_apply=model.apply, model=model if with_model else None)
+    return compiled, model
+
+
+def synthetic_data(seed):
+    rng = np.random.default_rng(seed)
+    return (rng.uniform(size=(N,) + SHAPE).astype(np.float32),
+            rng.integers(0, CLASSES, N).astype(np.int32))
+
+
+def harness_for(stage: stages.Stage) -> Harness:
+    stage_list = smallest_pipeline(stage)
+    compiled, model = compile_small(stage_list)
+    images, labels = synthetic_data(0)
+    params = model.init(jax.random.key(0), jnp.zeros((1,) + SHAPE))
+    h = Harness(stage, stage_list.index(stage), compiled, model, images, labels, None)
+    release = h.batch(images, labels, step=None) if compiled.needs_release_batch else None
+    h.state = compiled.init_state(params, jax.random.key(1), release)
+    return h
+
+
+def _host(tree):
+    """Host arrays (key data for PRNG keys), for exact comparisons."""
+    return jax.tree.map(lambda v: np.asarray(jax.random.key_data(v) if jax.dtypes.issubdtype(
+        v.dtype, jax.dtypes.prng_key) else v), tree)
+
+
+def _norm(tree):
+    return float(optax.tree.norm(tree))
+
+
+def _copy(state):
+    return jax.tree.map(lambda v: jnp.array(v, copy=True), state)  # the step donates its input
+
+
+def check_jit(h: Harness) -> None:
+    state = _copy(h.state)
+    for step in range(3):
+        state, metrics = h.compiled.step(state, h.batch(h.images, h.labels, step=step))
+    if not np.isfinite(float(metrics["train_loss"])):
+        raise StageCheckError(h.stage.name, "jit", "the training loss is not finite")
+    if h.compiled.step._cache_size() != 1:
+        raise StageCheckError(h.stage.name, "jit", "the step recompiles across steps")
+
+
+def _bounded_sum_bound(compiled) -> float:
+    """The clip bound times the Lipschitz factors of the BOUNDED stages after the clip."""
+    plan = compiled.plan
+    bound = plan.stages[plan.validated.clip_index].l2_bound
+    for s in plan.stages[plan.validated.clip_index + 1:plan.num_per_example]:
+        bound *= s.lipschitz
+    return bound
+
+
+def check_bound(h: Harness) -> None:
+    rng = np.random.default_rng()
+    clipped_sum = jax.jit(h.compiled.lowered.clipped_sum)
+    plan = h.compiled.plan
+    bound, parts = _bounded_sum_bound(h.compiled), plan.stages[plan.validated.clip_index].parts
+    first = h.compiled.sampler.sample(0).indices[0]
+    for scale in (1e3, 1e6):
+        huge, huge_labels = h.images.copy(), h.labels.copy()
+        huge[first] = scale * rng.normal(size=SHAPE)  # the adversarial example, with its least
+        huge_labels[first] = int(jnp.argmin(h.model.apply(  # likely label: a large gradient
+            h.state.params, jnp.asarray(huge[first])[None])[0]))
+        mask = h.compiled.sampler.sample(0).mask
+        without = mask.copy()  # its neighbour: without it (a copy: a batch may alias its mask)
+        without[0] = False
+        diff = jax.tree.map(jnp.subtract,
+                            clipped_sum(h.state, h.batch(huge, huge_labels, mask.copy())),
+                            clipped_sum(h.state, h.batch(huge, huge_labels, without)))
+        moved = [_norm(p) for p in diff.values()] if parts > 1 else []
+        if any(m > bound * (1 + 1e-4) for m in moved) or _norm(diff) > np.sqrt(
+                parts) * bound * (1 + 1e-4):
+            raise StageCheckError(h.stage.name, "bound", (
+                f"one example moved the clipped sum by {_norm(diff):.4g}, more than the "
+                f"declared bound {np.sqrt(parts) * bound:.4g}"))
+    if h.stage.kind_in == K.AGGREGATE and h.stage.lipschitz is not None:
+        ctx = stages.StepContext(params=h.state.params, step=jnp.asarray(0),
+                                 key=jax.random.key(2),
+                                 host_inputs=h.compiled.stage_inputs(0).get(str(h.index)))
+        fns, own = h.compiled.plan.fns[h.index], h.state.stage_states[h.index]
+        x, y = (jax.tree.map(lambda p: jnp.asarray(1e3 * rng.normal(size=p.shape), p.dtype),
+                             h.state.params) for _ in range(2))
+        out = jax.tree.map(jnp.subtract, fns.apply(x, own, ctx)[0], fns.apply(y, own, ctx)[0])
+        ratio = _norm(out) / _norm(jax.tree.map(jnp.subtract, x, y))
+        if ratio > h.stage.lipschitz * (1 + 1e-5):
+            raise StageCheckError(h.stage.name, "bound", (
+                f"it stretched a difference {ratio:.4g}x, more than its declared Lipschitz "
+                f"factor {h.stage.lipschitz:g}"))
+
+
+def check_state(h: Harness) -> None:
+    stage = h.stage
+    if (stage.cost is not None or stage.one_off_release is not None
+            or stage.kind_in in (K.RELEASED, K.UPDATES)):
+        return
+    after = [h.compiled.step(_copy(h.state), h.batch(x, y))[0].stage_states[h.index]
+             for x, y in ((h.images, h.labels), synthetic_data(1))]
+    same = jax.tree.map(lambda u, v: bool(np.array_equal(u, v)), *map(_host, after))
+    if not all(jax.tree.leaves(same)):
+        raise StageCheckError(stage.name, "state", "its state depends on private data (two "
+                              "different batches left different states) and it declares no "
+                              "cost for it")
+
+
+def check_mask_declaration(h: Harness) -> bool:
+    if stages.Mask.PER_EXAMPLE not in h.stage.public_mask:
+        return False
+    slow, _ = compile_small(smallest_pipeline(h.stage), with_model=False)
+    batch = h.batch(h.images, h.labels)
+    fast_sum = jax.jit(h.compiled.lowered.clipped_sum)(h.state, batch)
+    slow_sum = jax.jit(slow.lowered.clipped_sum)(h.state, batch)
+    if h.compiled.plan.strategy != "bookkeeping" or slow.plan.strategy != "materialized" or \
+            _norm(jax.tree.map(jnp.subtract, fast_sum, slow_sum)) > 1e-5 * (1 + _norm(slow_sum)):
+        raise StageCheckError(h.stage.name, "mask", "it is not its declared per-example mask "
+                              "(the clipped sum differs from the one that applies it)")
+    return True
+
+
+def check_elementwise_declaration(h: Harness) -> bool:
+    """apply(reversed, flattened g) == reversed, flattened apply(g), with another key: what
+    book-keeping relies on when it hands the stage outputs-first kernels."""
+    if not h.stage.elementwise:
+        return False
+    rng = np.random.default_rng()
+    fns, own = h.compiled.plan.fns[h.index], h.state.stage_states[h.index]
+    grads = jax.tree.map(lambda p: jnp.asarray(rng.normal(size=p.shape) * 10.0 ** rng.uniform(
+        -5, 1, size=p.shape), p.dtype), h.state.params)
+
+    def apply(tree, seed):
+        ctx = stages.StepContext(params=h.state.params, step=jnp.asarray(0),
+                                 key=jax.random.key(seed))
+        return jax.jit(lambda t: fns.apply(t, own, ctx))(tree)
+
+    want = apply(grads, 0)
+    got = apply(jax.tree.map(lambda g: g.reshape(-1)[::-1], grads), 1)
+    if any(not np.array_equal(g, w.reshape(-1)[::-1])
+           for w, g in zip(jax.tree.leaves(want), jax.tree.leaves(got))) or not any(
+            float(jnp.abs(w).sum()) > 0 for w in jax.tree.leaves(want)):
+        raise StageCheckError(h.stage.name, "elementwise", "it declares elementwise but its "
+                              "output depends on positions or keys")
+    return True
+
+
+def verify_stage(stage: stages.Stage) -> list:
+    """Runs every check on ``stage``; returns the checks that applied (each raises
+    StageCheckError on failure, naming the stage and the check)."""
+    try:
+        h = harness_for(stage)
+    except StageCheckError:
+        raise
+    except Exception as e:  # noqa: BLE001 (any failure to build is a failure to verify)
+        raise StageCheckError(stage.name, "jit", f"it does not compile in its smallest "
+                              f"pipeline on a small logistic model ({type(e).__name__}: {e})")
+    check_jit(h)
+    check_bound(h)
+    check_state(h)
+    return ["jit", "bound", "state"] + [name for name, ran in (
+        ("mask", check_mask_declaration(h)),
+        ("elementwise", check_elementwise_declaration(h))) if ran]
+
+
+def unverified_stages(stage_list) -> list:
+    """The stages of a pipeline not defined by dpbench (their declarations are verified before
+    training; dpbench's own are verified by its tests)."""
+    from dpbench import records
+    foreign = {s["stage"] for s in records.stage_sources([s.name for s in stage_list])}
+    return [s for s in stage_list if s.name in foreign]
+
+
+def verify_pipeline(stage_list) -> dict:
+    """stage name -> the checks it passed, for every stage that is not dpbench's own; raises
+    StageCheckError at the first that fails."""
+    return {s.name: verify_stage(s) for s in unverified_stages(stage_list)}

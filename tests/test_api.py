@@ -1,0 +1,78 @@
+"""The Python API (dpbench/api.py): the README's example runs as written, calls do not leak
+settings into each other, and a re-imported stage module re-registers its stages."""
+
+import importlib
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from dpbench import api, config, stage_check
+from tests.conftest import REPO_ROOT
+
+
+def readme_example() -> str:
+    text = (REPO_ROOT / "README.md").read_text()
+    section = text[text.index("## Python API"):]
+    return section[section.index("```python") + 9:section.index("```\n", 20)]
+
+
+def test_the_readmes_example_runs_as_written(tmp_path):
+    done = subprocess.run([sys.executable, "-c", readme_example()], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    record = json.loads((tmp_path / "runs" / "api-example" / "run_record.json").read_text())
+    assert record["pipeline"] == "dpsgd" and record["dataset"] == "digits"
+    assert record["epsilon"] <= record["target_epsilon"]
+    assert f"{record['epsilon']}" in done.stdout
+
+
+def test_configure_starts_afresh_and_check_names_a_lying_stage(tmp_path, monkeypatch):
+    name, _ = api.configure(["pipelines/rs"], "train.epochs = 3")
+    assert name == "rs" and config.TrainConfig().epochs == 3
+    name, _ = api.configure(["pipelines/dpsgd"])
+    assert name == "dpsgd" and config.TrainConfig().epochs == 30  # nothing left from the last
+    monkeypatch.syspath_prepend(str(tmp_path))
+    (tmp_path / "api_liar.py").write_text(textwrap.dedent('''
+        from dpbench import ops
+        from dpbench.stages import Kind, Stage, register_stage, stateless
+
+        @register_stage("apiliar.clip")
+        def clip() -> Stage:
+            return Stage(name="apiliar.clip", kind_in=Kind.PER_EXAMPLE, kind_out=Kind.BOUNDED,
+                         make=stateless(lambda g, s, ctx: ops.clip_to_l2(g, 1.0)), l2_bound=0.1)
+    '''))
+    gin_text = ("import api_liar\ninclude 'pipelines/dpsgd/pipeline.gin'\nSTAGES = ["
+                "@grad.per_example(), @apiliar.clip(), @noise.gaussian(), @optimize.optax()]")
+    with pytest.raises(stage_check.StageCheckError, match="'apiliar.clip' fails the 'bound'"):
+        api.check(gin=gin_text)
+
+
+def test_a_reimported_stage_module_re_registers_and_a_stolen_name_is_refused(
+        tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(tmp_path))
+    module = tmp_path / "reloaded_stages.py"
+    source = textwrap.dedent('''
+        import jax
+        from dpbench.stages import Kind, Stage, register_stage, stateless
+
+        @register_stage("reloaded.scale")
+        def scale(factor: float = FACTOR) -> Stage:
+            return Stage(name="reloaded.scale", kind_in=Kind.PER_EXAMPLE,
+                         kind_out=Kind.PER_EXAMPLE, options=dict(factor=factor),
+                         make=stateless(lambda g, s, ctx: jax.tree.map(lambda v: factor * v, g)))
+    ''')
+    module.write_text(source.replace("FACTOR", "0.5"))
+    stages_module = importlib.import_module("reloaded_stages")
+    module.write_text(source.replace("FACTOR", "0.25"))  # edited in the notebook, re-imported
+    importlib.reload(stages_module)
+    _, stages = api.configure(["pipelines/dpsgd"], "STAGES = [@grad.per_example(), "
+                              "@reloaded.scale(), @clip.global_l2(), @noise.gaussian(), "
+                              "@optimize.optax()]")
+    assert stages[1].options == {"factor": 0.25}
+    (tmp_path / "thief_stages.py").write_text(source.replace("FACTOR", "1.0").replace(
+        "def scale(", "def other_scale("))
+    with pytest.raises(ValueError, match="'reloaded.scale' is registered twice"):
+        importlib.import_module("thief_stages")

@@ -101,14 +101,6 @@ def discover(dirs=(BOARD_METHODS,)) -> dict:
     return found
 
 
-def find(name: str, dirs=(BOARD_METHODS,)) -> Method:
-    methods = discover(dirs)
-    if name not in methods:
-        raise MethodError(f"no method folder {name!r} under {', '.join(map(str, dirs))} (it "
-                          f"has {', '.join(sorted(methods))})")
-    return methods[name]
-
-
 def claims(dirs=(BOARD_METHODS,)) -> dict:
     """name -> {"paper", "claim"}: what the board's verdicts print next to each gain."""
     return {name: dict(paper=m.paper, claim=m.claim) for name, m in discover(dirs).items()}

@@ -38,6 +38,7 @@ class Options:
     gep_paper_anchors: int = 2000
     gep_paper_basis: int = 500
     gep_floor: bool = True  # GEP light's matrix products alone, when gep is selected
+    gep_refresh_every: int = 10  # GEP/B-GEP light with the basis every r steps (0 or 1: none)
     opacus_modes: tuple = OPACUS_MODES
     torch_threads: int = 0
     calibration: bool = True
@@ -164,12 +165,19 @@ def plan(options: Options, torch_info: dict) -> list:
                     "gep.embed_and_clip.power_iterations = 1"])]
             elif name in GEP_FAMILY:
                 extra_settings = [(" (light)", [])]
+            if name in GEP_FAMILY and options.gep_refresh_every > 1:
+                extra_settings.append((f" (light, r={options.gep_refresh_every})", [
+                    f"gep.embed_and_clip.basis_refresh_every = {options.gep_refresh_every}"]))
             for suffix, extra in extra_settings:
+                every = options.gep_refresh_every if "r=" in suffix else 1
                 configs.append(dict(common, kind="dp", label=f"dpbench {name}{suffix}",
                                     group="dpbench", pipeline=name,
                                     setting=suffix.strip(" ()") or None, batch_size=b,
                                     noise_multiplier=sigma, gin_files=_gin_files(options, name),
-                                    bindings=_bindings(options, b, extra)))
+                                    bindings=_bindings(options, b, extra),
+                                    **({"steps_per_timing": every, "warmup": 1,
+                                        "steps": max(3, options.steps // every)}
+                                       if every > 1 else {})))  # as many steps as the others
             if name == "gep" and options.gep_floor:
                 configs.append(dict(common, kind="gep_floor", label=FLOOR_LABEL, group="floor",
                                     pipeline=name, setting="light", batch_size=b,
@@ -178,7 +186,8 @@ def plan(options: Options, torch_info: dict) -> list:
     if options.interleaved_steps > 0:
         for b in options.batch_sizes:
             members = [dict(c, steps=options.interleaved_steps) for c in configs
-                       if c["kind"] in TIMED and c["batch_size"] == b]
+                       if c["kind"] in TIMED and c["batch_size"] == b
+                       and "steps_per_timing" not in c]  # its unit is r steps: rounds only
             configs.append(dict(kind="interleaved", group="interleaved", batch_size=b,
                                 label="interleaved run", members=members,
                                 steps=options.interleaved_steps, blocks=max(1, options.rounds),

@@ -22,6 +22,7 @@ from pathlib import Path
 
 from absl import app, flags
 
+from benchmarks import speed  # noqa: F401  (defines --steps, --warmup, --data_gin, ...)
 from benchmarks import workers
 
 FLAGS = flags.FLAGS

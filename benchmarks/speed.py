@@ -48,6 +48,7 @@ from benchmarks.plan import (Options, parse_micro_batch_sizes, plan, run_config,
 from benchmarks.machine import machine_facts, versions
 from benchmarks.report import (aggregate_rounds, compute_ratios, interleaved_rows, render,
                                summary_line, targets, write_atomically)
+from benchmarks.trial_cost import trial_costs
 from benchmarks.workers import run_worker
 
 
@@ -77,6 +78,8 @@ flags.DEFINE_integer("logical_batch", 4096, "Logical batch (via micro-batches) o
                      "row; 0 skips it.")
 flags.DEFINE_integer("gep_paper_anchors", 2000, "GEP paper setting: anchors m (0 skips the row).")
 flags.DEFINE_integer("gep_paper_basis", 500, "GEP paper setting: basis size k.")
+flags.DEFINE_integer("gep_refresh_every", 10, "GEP/B-GEP light also with the basis refreshed "
+                     "every r steps (timed r steps at a time); 0 or 1: no such row.")
 flags.DEFINE_bool("gep_floor", True, "Time GEP light's matrix products alone (a lower bound "
                   "for any GEP step here) next to the pipelines.")
 flags.DEFINE_list("opacus_modes", list(OPACUS_MODES), "Opacus grad_sample_mode values to try.")
@@ -107,6 +110,9 @@ def _update_report(report: dict, configs: list, per_round: dict, options: Option
 
     calibration, main_job = once("calibration"), once("main_job")
     report["calibration"], report["main_job"] = calibration, main_job
+    records_dir = REPO_ROOT / "leaderboard" / "records"
+    report["records_dir"] = str(records_dir.relative_to(REPO_ROOT))
+    report["trial_costs"] = trial_costs(records_dir)
     timed = [r for r in report["rows"] if r["spec"]["kind"] not in ONCE]
     separate = compute_ratios(timed, options.batch_sizes)
     report["ratios_separate"] = separate
@@ -203,6 +209,7 @@ def options_from_flags(argv) -> Options:
         noise_multiplier=None if sigma in ("calibrate", "none", "") else float(sigma),
         logical_batch=FLAGS.logical_batch, gep_paper_anchors=FLAGS.gep_paper_anchors,
         gep_paper_basis=FLAGS.gep_paper_basis, gep_floor=FLAGS.gep_floor,
+        gep_refresh_every=FLAGS.gep_refresh_every,
         opacus_modes=tuple(FLAGS.opacus_modes),
         torch_threads=FLAGS.torch_threads, calibration=FLAGS.calibration,
         calibration_batch_size=FLAGS.calibration_batch_size,

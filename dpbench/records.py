@@ -175,7 +175,10 @@ def _describe_mechanism(m: dict) -> str:
         text += "; each part is scaled by its clip bound, so in parameter units " + ", ".join(
             f"{part} (bound {bound:g}) gets stddev {m['noise_stddev'] * bound:.6g}"
             for part, bound in m["part_bounds"].items())
-    text += "), on batches drawn by "
+    text += ")"
+    if m.get("clip_note"):
+        text += f"; {m['clip_note']}"
+    text += ", on batches drawn by "
     if m.get("truncated_batch_size") is not None:
         text += (f"truncated Poisson sampling (rate q = {m['sampling_probability']:.6g} over "
                  f"N = {m['dataset_size']}, at most {m['truncated_batch_size']} examples)")

@@ -18,7 +18,9 @@ synthetic problem (logistic regression on 8x8 random images), and must pass:
 4. ``mask``: a declared ``Mask.PER_EXAMPLE`` (its per-example apply IS its public mask, so
    book-keeping may skip materializing it) gives the same clipped sum compiled either way;
 5. ``elementwise``: a declared ``elementwise`` stage maps a reordered gradient to the same
-   reordering of its output, whatever its key.
+   reordering of its output, whatever its key;
+6. ``layer_clip``: a clip's book-keeping form (``StageFns.layer_clip``) gives the clipped sum
+   its per-example apply gives, a non-finite example included.
 
 Inputs are public synthetic data: checking reads nothing private and spends no privacy.
 tests/test_stage_contract.py runs the same checks on every registered stage, and on broken
@@ -219,6 +221,35 @@ def check_mask_declaration(h: Harness) -> bool:
     return True
 
 
+def check_layer_clip(h: Harness) -> bool:
+    """A clip stage's book-keeping form (StageFns.layer_clip) gives the clipped sum its
+    per-example apply gives (what the compiler relies on when it runs the layer form)."""
+    if h.compiled.plan.fns[h.index].layer_clip is None:
+        return False
+    from dpbench.compiler import per_example
+    from dpbench.compiler.lower import begin_step_fn
+
+    slow, _ = compile_small(smallest_pipeline(h.stage), with_model=False)
+    images, sample = h.images.copy(), h.compiled.sampler.sample(0)
+    images[sample.indices[np.argmax(sample.mask)]] = np.nan  # non-finite: both leave it out
+    batch = h.batch(images, h.labels)
+    loss_fn, key = models.cross_entropy_loss(h.model), jax.random.key(7)
+    # Both from the same begin_step states: a state computed two ways (GEP's basis, where the
+    # anchor gradients are rank-deficient) may differ in directions that carry no signal.
+    states = jax.jit(begin_step_fn(h.compiled.plan, loss_fn))(h.state, key)
+
+    def clipped_sum(plan):
+        fn = per_example.clipped_sum_fn(plan, loss_fn)
+        return jax.jit(lambda b: fn(h.state.params, states, h.state.step, key, b)[0])(batch)
+
+    fast_sum, slow_sum = clipped_sum(h.compiled.plan), clipped_sum(slow.plan)
+    if h.compiled.plan.strategy != "bookkeeping" or slow.plan.strategy != "materialized" or \
+            _norm(jax.tree.map(jnp.subtract, fast_sum, slow_sum)) > 1e-5 * (1 + _norm(slow_sum)):
+        raise StageCheckError(h.stage.name, "layer_clip", "its book-keeping form (layer_clip) "
+                              "does not give the clipped sum its per-example apply gives")
+    return True
+
+
 def check_elementwise_declaration(h: Harness) -> bool:
     """apply(reversed, flattened g) == reversed, flattened apply(g), with another key: what
     book-keeping relies on when it hands the stage outputs-first kernels."""
@@ -258,7 +289,7 @@ def verify_stage(stage: stages.Stage) -> list:
     check_bound(h)
     check_state(h)
     return ["jit", "bound", "state"] + [name for name, ran in (
-        ("mask", check_mask_declaration(h)),
+        ("mask", check_mask_declaration(h)), ("layer_clip", check_layer_clip(h)),
         ("elementwise", check_elementwise_declaration(h))) if ran]
 
 

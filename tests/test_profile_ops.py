@@ -34,3 +34,15 @@ def test_a_control_flow_operation_is_charged_its_own_time_only():
               dict(ph="X", name="PjitFunction(f)", ts=0, dur=500, pid=1, tid=1)]
     assert profile_ops.per_operation_us(events, operations) == {
         "while.1": 50, "dot.2": 70, "add.3": 20}
+
+
+def test_the_command_line_has_the_flags_it_reads():
+    # main reads --data_gin, --model_gin, --steps, --warmup and --bindings, which
+    # benchmarks.speed defines: importing profile_ops alone must define them (bug: it did not,
+    # and `python -m benchmarks.profile_ops` died with AttributeError: data_gin).
+    import subprocess
+    import sys
+    code = ("import benchmarks.profile_ops as p; "
+            "missing = [f for f in ('data_gin', 'model_gin', 'steps', 'warmup', 'bindings') "
+            "if f not in p.FLAGS]; assert not missing, missing")
+    subprocess.run([sys.executable, "-c", code], check=True)

@@ -29,7 +29,8 @@ import pytest
 
 from dpbench import stages
 from dpbench.stage_check import (StageCheckError, check_bound, check_elementwise_declaration,
-                                 check_jit, check_mask_declaration, check_state, harness_for)
+                                 check_jit, check_layer_clip, check_mask_declaration,
+                                 check_state, harness_for)
 from dpbench.stages.base import Kind, registered_stage, registered_stage_names
 
 K = Kind
@@ -60,6 +61,37 @@ def test_a_declared_per_example_mask_is_what_the_stage_does(contract):
 
 def test_a_declared_elementwise_stage_ignores_positions(contract):
     check_elementwise_declaration(contract)
+
+
+def test_a_clips_book_keeping_form_gives_its_per_example_sum(contract):
+    check_layer_clip(contract)
+
+
+def test_a_book_keeping_form_that_is_not_the_clip_is_caught():
+    """GEP's layer form is checked (it applies: logistic regression is one matmul layer); a twin
+    whose layer form sends 10x the residual part its per-example apply sends (a residual clip
+    the per-example path has and the layer form lacks) fails."""
+    import dataclasses
+
+    honest = stages.gep.embed_and_clip(num_anchors=64, num_basis=8)
+    assert check_layer_clip(harness_for(honest))
+
+    def make(info):
+        fns = honest.make(info)
+
+        def layer_clip(state):
+            clip = fns.layer_clip(state)
+
+            def unclipped_residual(grads, keep):
+                total, finite = clip(grads, keep)
+                rv = jax.tree.map(lambda x: 10.0 * x, total["rv"])
+                return dict(total, rv=rv), finite
+            return unclipped_residual
+        return fns._replace(layer_clip=layer_clip)
+
+    twin = dataclasses.replace(honest, name="broken.gep_layer_form", make=make)
+    with pytest.raises(StageCheckError, match="'layer_clip' check"):
+        check_layer_clip(harness_for(twin))
 
 
 def test_the_contract_catches_broken_stages():

@@ -53,6 +53,9 @@ def _check_fns(i: int, stage: Stage, fns, num_per_example: int) -> None:
         raise PipelineError(f"{where}: public_mask must hold dpbench Mask members")
     if fns.host_inputs is not None and i < num_per_example:
         raise PipelineError(f"{where}: host_inputs are for batch stages (after the clip)")
+    if fns.layer_clip is not None and (stage.kind_in, stage.kind_out) != (Kind.PER_EXAMPLE,
+                                                                           Kind.BOUNDED):
+        raise PipelineError(f"{where}: layer_clip is for a clip stage (per-example -> bounded)")
     if fns.finish_sum is not None and i >= num_per_example:
         raise PipelineError(f"{where}: finish_sum is for per-example stages (the clip and before)")
 
@@ -61,16 +64,20 @@ def bind(stages: Sequence[Stage], info: StageInfo, model=None,
          validated: Optional[ValidatedPipeline] = None) -> Plan:
     """Validates the declarations, makes every stage's step functions with the run facts, and
     picks the per-example strategy from the stage chain: book-keeping where it reproduces the
-    chain exactly (bookkeeping.applies) and the model is made of matmul layers, else the
-    materialized per-example gradients (vmap). ``validated``: these stages' validation, when
+    chain exactly (bookkeeping.applies, or the clip's own layer form) and the model is made of
+    matmul layers, else the materialized per-example gradients (vmap). Stages are made with
+    ``info.layer_grads`` set where the model allows book-keeping. ``validated``: these stages' validation, when
     the caller has already run it (the rules run once per compile)."""
     validated = validate_pipeline(stages) if validated is None else validated
+    taps = None if model is None else bookkeeping.discover_taps(
+        model, info.param_shapes, info.example_shape)
+    if taps is not None:
+        info = info._replace(layer_grads=bookkeeping.layer_grads_fn(model, taps))
     fns = tuple(stage.make(info) for stage in validated.stages)
     plan = Plan(stages=validated.stages, fns=fns, validated=validated, info=info, model=model)
     for i, (stage, made) in enumerate(zip(plan.stages, fns)):
         _check_fns(i, stage, made, plan.num_per_example)
-    taps = None if model is None else bookkeeping.discover_taps(
-        model, info.param_shapes, info.example_shape)
-    if bookkeeping.applies(plan.stages, plan.num_per_example, taps):
+    if bookkeeping.applies(plan.stages, plan.num_per_example, taps) or \
+            bookkeeping.applies_layer_clip(plan.stages, fns, plan.num_per_example, taps):
         plan = dataclasses.replace(plan, taps=taps, strategy="bookkeeping")
     return plan

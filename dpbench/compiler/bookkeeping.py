@@ -18,6 +18,10 @@ declaring ``Mask.PER_EXAMPLE``: RS, DP-SSGD) keep the contraction form, since
 sum_i c_i (M * g_i) = M * sum_i c_i g_i; any other per-example stage (Nasr's discretization)
 runs on per-example gradients materialized from the layer terms, still faster than a vmapped
 backward pass. tests/test_bookkeeping.py checks the same clipped sum both ways.
+
+A clip stage that states its own book-keeping form (``StageFns.layer_clip``: GEP's embedding,
+norms and both clips as contractions) gets every example's layer gradients from one batched
+backward pass (``layer_grads_fn``, also handed to stages as ``StageInfo.layer_grads``).
 """
 
 from __future__ import annotations
@@ -115,18 +119,51 @@ def _get(tree, path):
     return tree
 
 
+def _plain_gradient(stage) -> bool:
+    return (stage.name == "grad.per_example" and stage.options.get("augmult") == 1
+            and stage.options.get("augmentation") == "none")
+
+
 def applies(stages, num_per_example: int, taps: Optional[tuple]) -> bool:
     """Book-keeping reproduces exactly [grad.per_example (no augmentation), per-example stages
-    on the gradient..., clip.global_l2] on a model made of tap layers; anything else (GEP's
-    clip, augmentation, GroupNorm) is materialized."""
+    on the gradient..., clip.global_l2] on a model made of tap layers; anything else
+    (augmentation, GroupNorm) is materialized, except a clip with a ``layer_clip`` form
+    (``applies_layer_clip``)."""
     if taps is None:
         return False
     chain = stages[:num_per_example]
     first, last, middle = chain[0], chain[-1], chain[1:-1]
-    return (first.name == "grad.per_example" and first.options.get("augmult") == 1
-            and first.options.get("augmentation") == "none"
+    return (_plain_gradient(first)
             and last.name == "clip.global_l2" and last.kind_out == Kind.BOUNDED
             and all(s.kind_in == s.kind_out == Kind.PER_EXAMPLE for s in middle))
+
+
+def applies_layer_clip(stages, fns, num_per_example: int, taps: Optional[tuple]) -> bool:
+    """[grad.per_example (no augmentation), a clip stage with ``StageFns.layer_clip``] on a
+    model made of tap layers: the clip's own book-keeping form computes the same sum (GEP)."""
+    return (taps is not None and num_per_example == 2 and _plain_gradient(stages[0])
+            and fns[1].layer_clip is not None)
+
+
+def layer_grads_fn(model: nn.Module, taps: tuple):
+    """``StageInfo.layer_grads`` for this model: (params, images, labels, mask) ->
+    ({tap path: {"bias": (b, p), "kernel": (b, p, d)}} nested like params["params"], per-example
+    losses), every example's gradient of its own loss from one batched backward pass (examples
+    outside ``mask`` get zero output gradients). Kernels are outputs-first, the layout XLA's CPU
+    batched dot writes fastest; row j of a (d, p) kernel gradient is column j here."""
+    def layer_grads(params, images, labels, mask):
+        inputs, deltas, losses = _output_gradients(model, taps, params, images, labels, mask)
+        b = images.shape[0]
+        grads = {}
+        for t in taps:
+            a = inputs[t.path].reshape(b, t.positions, t.inputs)
+            a = models.through_a_dot(a) if t.positions == 1 else a
+            delta = deltas[t.path].reshape(b, t.positions, t.outputs)
+            _set(grads, t.path, {"bias": jnp.sum(delta, axis=1),
+                                 "kernel": jnp.einsum("btd,btp->bpd", a, delta)})
+        return grads, losses
+
+    return layer_grads
 
 
 def masks_only(stages, clip_index: int) -> bool:

@@ -51,6 +51,7 @@ def step_mechanisms_of(plan: Plan, sampler) -> Callable[[float], list]:
                  if s.lipschitz is not None and not s.is_release}
     clip_facts = dict(clip.options, **plan.fns[validated.clip_index].facts)
     others = _stage_costs(plan)
+    note = clip_facts.get("statement_note")  # public inputs of the clip, in words (GEP's basis)
 
     def mechanisms(sigma: float) -> list:
         effective = sigma / math.sqrt(parts)
@@ -62,7 +63,8 @@ def step_mechanisms_of(plan: Plan, sampler) -> Callable[[float], list]:
                          effective_noise_multiplier=effective, clip_stage=clip.name,
                          clip_l2_bound=clip.l2_bound, part_bounds=clip_facts.get("part_bounds"),
                          lipschitz_factors=lipschitz, l2_sensitivity=validated.sensitivity,
-                         noise_stddev=sigma * validated.sensitivity))
+                         noise_stddev=sigma * validated.sensitivity,
+                         **({"clip_note": note} if note else {})))
         return [gaussian] + [accounting.Mechanism(
             name=facts.get("mechanism", f"private selection by {stage.name}"),
             source=stage.name, schedule=accounting.EVERY_STEP, event=event, count=1,

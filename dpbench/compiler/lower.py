@@ -55,7 +55,7 @@ def lower(plan: Plan, acct: Accounting, *, loss_fn: Callable, expected_batch_siz
     """The step function and the initial state of a bound, accounted pipeline."""
     step = _make_step(plan, acct, loss_fn, float(expected_batch_size), ema_decay,
                       fidelity_diagnostics)
-    begin_step, clipped_sum = _begin_step_fn(plan, loss_fn), clipped_sum_fn(plan, loss_fn)
+    begin_step, clipped_sum = begin_step_fn(plan, loss_fn), clipped_sum_fn(plan, loss_fn)
 
     def clipped_sum_at(state: TrainState, batch: dict):
         key = _step_key(state)
@@ -70,7 +70,7 @@ def _step_key(state: TrainState) -> jax.Array:
 
 
 def _make_step(plan, acct, loss_fn, expected_batch_size, ema_decay, fidelity_diagnostics):
-    begin_step = _begin_step_fn(plan, loss_fn)
+    begin_step = begin_step_fn(plan, loss_fn)
     clipped_sum = clipped_sum_fn(plan, loss_fn)
     batch_stages = _batch_stages_fn(plan, acct, expected_batch_size)
 
@@ -94,7 +94,7 @@ def _make_step(plan, acct, loss_fn, expected_batch_size, ema_decay, fidelity_dia
     return step_fn
 
 
-def _begin_step_fn(plan: Plan, loss_fn: Callable):
+def begin_step_fn(plan: Plan, loss_fn: Callable):
     """Per-example stages' begin_step, once per step, from public inputs only (params, public
     data, the step key): GEP's basis, DP-SSGD's drop mask, RS's epoch mask."""
     # Its key: position `padded` in the stage's per-example key space, which no example uses.

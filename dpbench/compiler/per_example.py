@@ -90,17 +90,52 @@ def _bookkeeping_sum_fn(plan: Plan, loss_fn: Callable):
                                            plan.stages[clip_index].l2_bound, masks, transform,
                                            elementwise)
 
-        micro_steps, size = batch["mask"].shape
-        positions = jnp.arange(micro_steps * size, dtype=jnp.int32).reshape(micro_steps, size)
-        xs = (batch["image"], batch["label"], batch["mask"], positions)
-        zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype),
-                             jax.eval_shape(micro, *(x[0] for x in xs)))
+        return _sum_over_micro_batches(micro, batch)
 
-        def body(total, x):
-            part = jax.lax.cond(jnp.any(x[2]), lambda x: micro(*x), lambda _: zeros, x)
-            return jax.tree.map(jnp.add, total, part), None
+    return clipped_sum
 
-        return jax.lax.scan(body, zeros, xs)[0]
+
+def _sum_over_micro_batches(micro: Callable, batch: dict):
+    """sum over micro-batches of ``micro(images, labels, mask, positions)`` under lax.scan, a
+    micro-batch with no real example skipped (it contributes exactly zero)."""
+    micro_steps, size = batch["mask"].shape
+    positions = jnp.arange(micro_steps * size, dtype=jnp.int32).reshape(micro_steps, size)
+    xs = (batch["image"], batch["label"], batch["mask"], positions)
+    zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype),
+                         jax.eval_shape(micro, *(x[0] for x in xs)))
+
+    def body(total, x):
+        part = jax.lax.cond(jnp.any(x[2]), lambda x: micro(*x), lambda _: zeros, x)
+        return jax.tree.map(jnp.add, total, part), None
+
+    return jax.lax.scan(body, zeros, xs)[0]
+
+
+def _layer_clip_sum_fn(plan: Plan):
+    """The clip stage's own book-keeping form (``StageFns.layer_clip``, GEP): per micro-batch,
+    every example's layer gradients from one batched backward pass, clipped and summed by the
+    stage's contractions; an example whose loss or value is not finite is left out and counted,
+    as the materialized strategy zeroes and counts it. Then the stage's ``finish_sum``."""
+    clip_index = plan.validated.clip_index
+    fns, layer_grads = plan.fns[clip_index], plan.info.layer_grads
+
+    def clipped_sum(params, states, step, step_key, batch):
+        del step, step_key  # the layer form reads no key (checked: same sum as vmapped apply)
+        clip = fns.layer_clip(states[clip_index])               # once per step
+
+        def micro(images, labels, mask, positions):
+            del positions
+            grads, losses = layer_grads(params, images, labels, mask)
+            candidates = mask & jnp.isfinite(losses)
+            total, finite = clip(grads, candidates)
+            keep = candidates & finite
+            return total, {"loss": jnp.sum(jnp.where(keep, losses, 0.0)),
+                           "nonfinite": jnp.sum(mask & ~keep).astype(jnp.float32)}
+
+        total, aux = _sum_over_micro_batches(micro, batch)
+        if fns.finish_sum is not None:
+            total = fns.finish_sum(total, states[clip_index])
+        return total, aux
 
     return clipped_sum
 
@@ -109,6 +144,8 @@ def clipped_sum_fn(plan: Plan, loss_fn: Callable):
     """(params, states, step, step_key, batch) -> (sum of clipped per-example values,
     {"loss": sum of finite losses, "nonfinite": count}) over the batch's real examples."""
     if plan.strategy == "bookkeeping":
+        if plan.fns[plan.validated.clip_index].layer_clip is not None:
+            return _layer_clip_sum_fn(plan)
         return _bookkeeping_sum_fn(plan, loss_fn)
     clip_index = plan.validated.clip_index
 

@@ -67,6 +67,11 @@ class StageInfo(NamedTuple):
     linear_apply: Optional[Callable] = None  # the model with identity activations (public)
     example_shape: tuple = ()
     padded_batch_size: int = 0  # the sampler's static batch size (examples + padding)
+    # (params, images, labels, mask) -> ({tap path: {"bias": (b, p), "kernel": (b, p, d)}},
+    # losses): every example's gradient of models.logits_loss from ONE batched backward pass,
+    # each kernel outputs-first; None unless every parameter is a matmul layer's
+    # (compiler/bookkeeping.py). For ``StageFns.layer_clip`` and public anchor gradients.
+    layer_grads: Optional[Callable] = None
 
 
 class StepContext(NamedTuple):
@@ -124,6 +129,14 @@ class StageFns(NamedTuple):
     release_value / init_from_release: for a stage declaring ``one_off_release``:
       ``release_value(params, grad) -> value`` (one example's value, clipped by the compiler) and
       ``init_from_release(params, released_sum, key) -> state``.
+    layer_clip: for a clip stage right after grad.per_example, the same sum in book-keeping form:
+      ``layer_clip(state) -> clip`` once per step, then per micro-batch
+      ``clip(grads, keep) -> (total, finite)`` with ``grads`` from ``StageInfo.layer_grads``:
+      ``total`` is the sum over the examples with ``keep`` of what ``apply`` returns for them
+      (before ``finish_sum``), ``finite`` per example whether its value is finite; an example
+      without keep or finite contributes exactly zero. The compiler uses it when the run has
+      ``layer_grads`` and the gradient has no augmentation (GEP's embedding and clips as
+      contractions: tests/stages/test_gep.py checks the same release both ways).
     facts: public facts derived from the run (GIP's per-step index epsilon, GEP's basis split),
       recorded next to the stage's options in the run record and the privacy statement.
     """
@@ -136,6 +149,7 @@ class StageFns(NamedTuple):
     host_inputs: Optional[Callable] = None
     release_value: Optional[Callable] = None
     init_from_release: Optional[Callable] = None
+    layer_clip: Optional[Callable] = None
     facts: Mapping = MappingProxyType({})
 
 

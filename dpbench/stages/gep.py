@@ -13,6 +13,11 @@ two releases with sigma_1 = sigma S1 and sigma_2 = sigma S2; together they have 
 sqrt(2), i.e. one Gaussian with multiplier sigma / sqrt(2), which is what the compiler accounts
 (``parts = 2``). After the release: reconstruct S1 * w~ B + S2 * r~ (post-processing).
 B-GEP (``biased = True``) releases only the embedding (``parts = 1``).
+
+Where the run has ``StageInfo.layer_grads`` (a model of matmul layers, no augmentation) the
+batch's embedding and clips run in book-keeping form (``layer_clip``, gep_layers.py) and the
+anchor gradients of one power iteration come from batched backward passes; the float32 bound
+that keeps the residual clip rigorous is in gep_numerics.py.
 """
 
 from __future__ import annotations
@@ -25,6 +30,10 @@ import numpy as np
 
 from dpbench.stages.base import Kind, Stage, StageFns, StageInfo, register_stage
 from dpbench.ops import clip_to_l2
+from dpbench.stages.gep_layers import (anchor_basis_from_layers, embed_and_clip_layers,  # noqa: F401
+                                       parameter_rows, tap_columns)
+from dpbench.stages.gep_numerics import (basis_orthonormality_error, orthonormal_rows,  # noqa: F401
+                                         orthonormality_error, random_start, residual_sq_upper)
 
 
 def _groups(tree):
@@ -62,26 +71,11 @@ def basis_sizes(group_sizes: dict, num_basis: int, num_anchors: int) -> dict:
                               group_sizes[g]))) for g in group_sizes}
 
 
-def _orthonormal_rows(basis):
-    q, _ = jnp.linalg.qr(basis.T)
-    return q.T
-
-
-def random_start(key, k: int, p: int):
-    """The power iteration's random start: k x p independent uniform random signs (any random
-    start with independent entries does). Each 32-bit random word gives 32 signs, one per bit:
-    for the tanh CNN's 2.2M start entries 1 ms a step, against 34 ms for one word per sign
-    (jax.random.rademacher) and 30 for Gaussians; threefry's bits are what costs."""
-    words = jax.random.bits(key, (k, -(-p // 32)), jnp.uint32)
-    bits = (words[:, :, None] >> jnp.arange(32, dtype=jnp.uint32)) & 1
-    return 2.0 * bits.reshape(k, -1)[:, :p].astype(jnp.float32) - 1.0
-
-
 def power_basis(anchor_grads, key, k: int, iterations: int):
     """Orthonormal rows B (k x p) spanning the top principal directions of anchor_grads (m x p)."""
     basis = random_start(key, k, anchor_grads.shape[1])
     for _ in range(iterations):
-        basis = _orthonormal_rows((anchor_grads @ basis.T).T @ anchor_grads)  # (G_a B^T)^T G_a
+        basis = orthonormal_rows((anchor_grads @ basis.T).T @ anchor_grads)  # (G_a B^T)^T G_a
     return basis
 
 
@@ -123,48 +117,7 @@ def anchor_basis(anchors, ctx, ks: dict, num_classes: int, iterations: int, chun
     total, _ = jax.lax.scan(lambda acc, xs: (accumulate(acc, xs, chunk), None), total, chunks)
     if usable < m:  # the last, partial chunk
         total = accumulate(total, (anchors[usable:], labels[usable:]), m - usable)
-    return {g: _orthonormal_rows(total[g]) for g in groups}
-
-
-_UNIT = 2.0 ** -24  # float32 unit roundoff
-
-
-def _gamma(n: int) -> float:
-    """gamma_n = n u / (1 - n u): the relative error bound of an n-term float32 dot product or
-    sum of squares, in any summation order (Higham, Accuracy and Stability, 3.1)."""
-    return n * _UNIT / (1 - n * _UNIT)
-
-
-def orthonormality_error(basis):
-    """An upper bound on ||B B^T - I||_2 for the float32 basis B (k x p), from its computed
-    Gram matrix G plus G's own rounding bound (|G_ij - fl(G_ij)| <= gamma_p max_i G_ii)."""
-    k, p = basis.shape
-    gram = basis @ basis.T
-    rounding = k * _gamma(p) * jnp.max(jnp.diagonal(gram)) * (1 + 2 * _gamma(p))
-    off = jnp.sqrt(jnp.sum(jnp.square(gram - jnp.eye(k, dtype=gram.dtype))))
-    return (off + rounding) * (1 + 4 * _gamma(k * k + 2))
-
-
-def basis_orthonormality_error(basis: dict):
-    """The eps that enters the residual bound (``residual_sq_upper``) for a basis with one block
-    per parameter group: B B^T is block-diagonal, so ||B B^T - I|| is the largest block's."""
-    return jnp.max(jnp.stack([orthonormality_error(b) for b in basis.values()]))
-
-
-def residual_sq_upper(a, b, k: int, p: int, p_max: int, eps):
-    """A rigorous upper bound on ||v - B^T w||^2 from float32 a = fl(||v||^2) (p coordinates)
-    and b = fl(||w||^2) (k coordinates), w = fl(B v), ||B B^T - I|| <= eps, groups of at most
-    p_max coordinates. In exact arithmetic ||v - B^T w||^2 = ||v||^2 - ||w||^2 + 2 w.e
-    + w^T (B B^T - I) w with e = w - Bv, ||e|| <= sqrt(k (1 + eps)) gamma_{p_max} ||v||; every
-    term is bounded on the safe side, with 8 spare roundings for forming the bound itself.
-    Catastrophic cancellation (a residual far smaller than the gradient) can only make the
-    bound loose, never small: the S2 clip is never under-applied."""
-    a_hi = a * (1 + 2 * _gamma(p + 8))
-    b_lo = b * (1 - _gamma(k + 8))
-    b_hi = b * (1 + 2 * _gamma(k + 8))
-    e_norm = jnp.sqrt(k * (1 + eps)) * _gamma(p_max + 8) * jnp.sqrt(a_hi)
-    bound = a_hi - b_lo + 2 * jnp.sqrt(b_hi) * e_norm + eps * b_hi
-    return jnp.maximum(bound * (1 + 8 * _UNIT), 0.0)
+    return {g: orthonormal_rows(total[g]) for g in groups}
 
 
 def embed_and_clip_one(grads, basis: dict, eps, embedding_bound: float,
@@ -217,39 +170,83 @@ def reconstruct(released: dict, basis: dict, like, embedding_bound: float,
     return _ungroup(out, like)
 
 
+def _check_options(integers: dict, bounds: dict) -> None:
+    for name, value in integers.items():
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"gep.embed_and_clip.{name} must be an integer >= 1, got {value!r}")
+    for name, value in bounds.items():
+        if not value > 0 or math.isinf(value):
+            raise ValueError(f"gep.embed_and_clip.{name} must be a finite number > 0, "
+                             f"got {value!r}")
+
+
+def _anchor_images(info: StageInfo, num_anchors: int):
+    if info.public_images is None or len(info.public_images) < num_anchors:
+        have = 0 if info.public_images is None else len(info.public_images)
+        raise ValueError(f"GEP needs {num_anchors} public anchor examples but the dataset "
+                         f"declares {have}; set dataset.public_size >= {num_anchors} "
+                         "(carved from train, disjoint from the private set)")
+    return np.asarray(info.public_images[:num_anchors], np.float32)
+
+
+def _layer_kernel_shapes(info: StageInfo, grouped: dict) -> dict:
+    """{group: kernel shape} where the book-keeping form applies (the run has layer gradients
+    and every parameter group is one matmul layer: {bias, kernel}, tap path (group,)), else {}."""
+    if info.layer_grads is None or not all(isinstance(sub, dict) and set(sub) == {"bias", "kernel"}
+                                           for sub in grouped.values()):
+        return {}
+    return {g: tuple(sub["kernel"].shape) for g, sub in grouped.items()}
+
+
+def _statement_note(num_anchors: int, refresh_every: int) -> str:
+    """The basis' public inputs and how often it is computed, for the privacy statement."""
+    every = "every step" if refresh_every == 1 else f"every {refresh_every} steps (kept in between)"
+    return (f"its projection basis is computed from {num_anchors} public anchor examples' "
+            f"gradients at the current parameters {every}: public inputs and post-processing of "
+            "earlier releases, no privacy cost")
+
+
 @register_stage("gep.embed_and_clip")
 def embed_and_clip(num_basis: int = 200, num_anchors: int = 512, embedding_bound: float = 0.1,
                    residual_bound: float = 0.02, power_iterations: int = 1,
-                   biased: bool = False, anchor_chunk: int = 64) -> Stage:
+                   biased: bool = False, anchor_chunk: int = 64,
+                   basis_refresh_every: int = 1) -> Stage:
     """GEP's projection and the two clips (PER_EXAMPLE -> BOUNDED, two parts of norm <= 1).
 
     anchor_chunk: anchor gradients are computed that many at a time (a speed knob only: the
     basis is the same; 64 at a time was 2x faster than all 512 at once on 2 CPU cores).
+    basis_refresh_every: r; the anchor basis is recomputed at steps 0, r, 2r, ... and kept in
+    between (r = 1, every step, is the paper's setting). Free in privacy: the basis is a
+    function of public anchors and of parameters that are post-processing of earlier releases.
     """
-    for name, value in (("num_basis", num_basis), ("num_anchors", num_anchors),
-                        ("power_iterations", power_iterations), ("anchor_chunk", anchor_chunk)):
-        if not isinstance(value, int) or value < 1:
-            raise ValueError(f"gep.embed_and_clip.{name} must be an integer >= 1, got {value!r}")
-    for name, value in (("embedding_bound", embedding_bound),
-                        ("residual_bound", residual_bound)):
-        if not value > 0 or math.isinf(value):
-            raise ValueError(f"gep.embed_and_clip.{name} must be a finite number > 0, "
-                             f"got {value!r}")
+    _check_options(dict(num_basis=num_basis, num_anchors=num_anchors,
+                        power_iterations=power_iterations, anchor_chunk=anchor_chunk,
+                        basis_refresh_every=basis_refresh_every),
+                   dict(embedding_bound=embedding_bound, residual_bound=residual_bound))
     options = dict(num_basis=num_basis, num_anchors=num_anchors,
                    embedding_bound=embedding_bound, residual_bound=residual_bound,
-                   power_iterations=power_iterations, biased=biased)
+                   power_iterations=power_iterations, biased=biased,
+                   basis_refresh_every=basis_refresh_every)
     name = "gep.embed_and_clip"
 
     def make(info: StageInfo) -> StageFns:
-        if info.public_images is None or len(info.public_images) < num_anchors:
-            have = 0 if info.public_images is None else len(info.public_images)
-            raise ValueError(f"GEP needs {num_anchors} public anchor examples but the dataset "
-                             f"declares {have}; set dataset.public_size >= {num_anchors} "
-                             "(carved from train, disjoint from the private set)")
-        anchors = np.asarray(info.public_images[:num_anchors], np.float32)
+        anchors = _anchor_images(info, num_anchors)
+        grouped = _groups(info.param_shapes)
         sizes = {g: sum(math.prod(x.shape) for x in jax.tree.leaves(sub))
-                 for g, sub in _groups(info.param_shapes).items()}
+                 for g, sub in grouped.items()}
         ks = basis_sizes(sizes, num_basis, num_anchors)
+        kernel_shapes = _layer_kernel_shapes(info, grouped)
+        layered = bool(kernel_shapes)
+
+        def refresh(state, ctx):
+            if layered and power_iterations == 1:  # batched anchor passes (book-keeping)
+                basis = anchor_basis_from_layers(state["anchors"], ctx, ks, kernel_shapes,
+                                                 info.num_classes, anchor_chunk,
+                                                 info.layer_grads)
+            else:
+                basis = anchor_basis(state["anchors"], ctx, ks, info.num_classes,
+                                     power_iterations, anchor_chunk)
+            return dict(state, basis=basis, orth_error=basis_orthonormality_error(basis))
 
         def init(params, key):
             del params, key
@@ -258,9 +255,16 @@ def embed_and_clip(num_basis: int = 200, num_anchors: int = 512, embedding_bound
                     "orth_error": jnp.zeros((), jnp.float32)}
 
         def begin_step(state, ctx):
-            basis = anchor_basis(state["anchors"], ctx, ks, info.num_classes, power_iterations,
-                                 anchor_chunk)
-            return dict(state, basis=basis, orth_error=basis_orthonormality_error(basis))
+            if basis_refresh_every == 1:
+                return refresh(state, ctx)
+            return jax.lax.cond(ctx.step % basis_refresh_every == 0,
+                                lambda s: refresh(s, ctx), lambda s: s, state)
+
+        def layer_clip(state):
+            columns = {g: tap_columns(state["basis"][g], kernel_shapes[g]) for g in ks}
+            return lambda grads, keep: embed_and_clip_layers(
+                grads, keep, columns, kernel_shapes, state["orth_error"], embedding_bound,
+                residual_bound, biased)
 
         def apply(grads, state, ctx):
             del ctx
@@ -273,9 +277,12 @@ def embed_and_clip(num_basis: int = 200, num_anchors: int = 512, embedding_bound
 
         return StageFns(apply=apply, init=init, begin_step=begin_step,
                         finish_sum=lambda total, state: finish_residual(total, state["basis"]),
-                        after_release=after_release, facts=dict(basis_per_group=ks, part_bounds=(
+                        after_release=after_release,
+                        layer_clip=layer_clip if layered else None,
+                        facts=dict(basis_per_group=ks, part_bounds=(
                             {"embedding": embedding_bound} if biased else
-                            {"embedding": embedding_bound, "residual": residual_bound})))
+                            {"embedding": embedding_bound, "residual": residual_bound}),
+                            statement_note=_statement_note(num_anchors, basis_refresh_every)))
 
     return Stage(name=name, kind_in=Kind.PER_EXAMPLE, kind_out=Kind.BOUNDED, make=make,
                  l2_bound=1.0, parts=1 if biased else 2, options=options)

@@ -291,3 +291,116 @@ def test_residual_bound_holds_for_a_non_orthonormal_basis(embed_one):
         return
     with pytest.raises(AssertionError, match="moves the released residual sum"):
         check_released_parts_stay_within_the_declared_bounds(embed_one)
+
+
+# --- Book-keeping form (StageFns.layer_clip) and the r-step basis -------------------------
+
+def _compile_with_model(model_name, shape, biased=False, refresh=1, n=48, batch=24):
+    """GEP compiled as train.train compiles it: with the model, so book-keeping where it
+    applies (``with_model``), else the per-example (vmapped) path."""
+    from dpbench import compiler, models, sampling
+
+    model = models.make_model(10, name=model_name, hidden=(32,))
+    public = np.random.default_rng(5).uniform(size=(40,) + shape).astype(np.float32)
+
+    def build(with_model):
+        stage_list = [stages.grad.per_example(),
+                      stages.gep.embed_and_clip(num_basis=20, num_anchors=40, embedding_bound=0.05,
+                                                residual_bound=0.01, biased=biased,
+                                                anchor_chunk=16, basis_refresh_every=refresh),
+                      stages.noise.gaussian(),
+                      stages.optimize.optax_optimizer(optimizer="sgd", learning_rate=0.5)]
+        return compiler.compile_pipeline(
+            stage_list, loss_fn=models.cross_entropy_loss(model),
+            init_params=lambda key: model.init(key, jnp.zeros((1,) + shape)),
+            example_shape=shape, sampler=sampling.PoissonSampler(n, batch, seed=0, pad_multiple=8),
+            budget=accounting.Budget(3.0, 1e-5), total_steps=10, steps_per_epoch=2,
+            micro_batch_size=8, noise_multiplier=1.0, public_images=public, num_classes=10,
+            model=model if with_model else None)
+    return model, build
+
+
+@pytest.mark.parametrize("model_name,shape,biased", [("tanh_cnn", (16, 16, 1), False),
+                                                     ("mlp", (8, 8, 1), True)])
+def test_book_keeping_gives_the_release_of_per_example_gradients(model_name, shape, biased):
+    """Same clipped sum (embedding, and residual after finish_sum) from one batched backward
+    pass as from vmapped per-example gradients, a non-finite example left out and counted by
+    both; the basis of the batched anchor gradients is the vmapped one's."""
+    model, build = _compile_with_model(model_name, shape, biased)
+    fast, slow = build(True), build(False)
+    assert (fast.plan.strategy, slow.plan.strategy) == ("bookkeeping", "materialized")
+    rng = np.random.default_rng()
+    images = rng.uniform(size=(48,) + shape).astype(np.float32)
+    labels = rng.integers(0, 10, 48).astype(np.int32)
+    images[3] = np.nan
+    params = model.init(jax.random.key(1), jnp.zeros((1,) + shape))
+    state = fast.init_state(params, jax.random.key(2))
+    b = fast.sampler.sample(0)
+    b.mask[:4] = True
+    b.indices[:4] = np.arange(4)
+    batch = make_batch(fast, images, labels, b.indices, b.mask)
+    got = jax.jit(fast.lowered.clipped_sum)(state, batch)
+    want = jax.jit(slow.lowered.clipped_sum)(state, batch)
+    assert set(got) == set(want) == ({"w"} if biased else {"w", "r"})
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5 * float(np.max(np.abs(w))))
+    assert float(jnp.abs(got["w"]).sum()) > 0
+    # The embedding sums agree, so do the two bases (a row's sign would flip its coordinate).
+    if model_name != "mlp":
+        return  # the whole step once (compiling the CNN's two steps costs suite time)
+    fast_state, fast_metrics = fast.step(state, batch)
+    slow_state, slow_metrics = slow.step(slow.init_state(params, jax.random.key(2)), batch)
+    assert float(fast_metrics["nonfinite_examples"]) == float(
+        slow_metrics["nonfinite_examples"]) == 1.0
+    for g in fast_state.stage_states[1]["basis"]:  # same span (rows' signs may differ)
+        one, other = (np.asarray(s.stage_states[1]["basis"][g], np.float64)
+                      for s in (fast_state, slow_state))
+        np.testing.assert_allclose(one.T @ one, other.T @ other, atol=1e-4)
+
+
+def _via_layer_form(grads, basis, eps, embedding_bound, residual_bound, biased):
+    """gep.embed_and_clip_one's signature, computed by the book-keeping form for a batch of
+    one example (its sum is its own value): what the compiler runs for a matmul model."""
+    kernel_shapes = {g: grads["params"][g]["kernel"].shape for g in basis}
+    layered = {g: {"bias": grads["params"][g]["bias"][None],
+                   "kernel": grads["params"][g]["kernel"].T[None]} for g in basis}
+    columns = {g: gep.tap_columns(basis[g], kernel_shapes[g]) for g in basis}
+    total, finite = gep.embed_and_clip_layers(layered, jnp.ones((1,), bool), columns,
+                                              kernel_shapes, eps, embedding_bound,
+                                              residual_bound, biased)
+    return total
+
+
+def test_the_book_keeping_form_keeps_both_bounds_against_adversarial_examples():
+    """The S1 / S2 guarantee of the layer form itself: adversarial gradients along the top
+    eigenvector of a non-orthonormal basis move neither released part by more than its bound."""
+    check_released_parts_stay_within_the_declared_bounds(_via_layer_form)
+
+
+def test_the_r_step_basis_is_kept_between_refreshes_and_stated():
+    """basis_refresh_every = 2: the basis of step 1 is step 0's, step 2 computes a new one (the
+    parameters moved); the privacy statement says how often, and the accounting is the
+    paper setting's (the basis is public)."""
+    from dpbench import records
+
+    model, build = _compile_with_model("mlp", (8, 8, 1), refresh=2)
+    compiled, every_step = build(True), _compile_with_model("mlp", (8, 8, 1))[1](True)
+    rng = np.random.default_rng()
+    images = rng.uniform(size=(48, 8, 8, 1)).astype(np.float32)
+    labels = rng.integers(0, 10, 48).astype(np.int32)
+    state = compiled.init_state(model.init(jax.random.key(1), jnp.zeros((1, 8, 8, 1))),
+                                jax.random.key(2))
+    bases = []
+    for t in range(3):
+        b = compiled.sampler.sample(t)
+        state, _ = compiled.step(state, make_batch(compiled, images, labels, b.indices, b.mask,
+                                                   step=t))
+        bases.append({g: np.asarray(v) for g, v in state.stage_states[1]["basis"].items()})
+    for g in bases[0]:
+        np.testing.assert_array_equal(bases[0][g], bases[1][g])
+        assert not np.allclose(bases[1][g], bases[2][g])
+    lines = [accounting.mechanism_fields(m) for m in compiled.ledger(3)]
+    assert "every 2 steps (kept in between)" in records._describe_mechanism(lines[0])
+    assert "every step" in records._describe_mechanism(
+        accounting.mechanism_fields(every_step.ledger(3)[0]))
+    assert compiled.run_event(3) == every_step.run_event(3)

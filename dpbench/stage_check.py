@@ -207,15 +207,33 @@ def check_state(h: Harness) -> None:
                               "cost for it")
 
 
+def _strategies_agree(h: Harness, images) -> bool:
+    """The clipped sum compiled with the model (book-keeping) equals the one compiled without
+    it (materialized), on ``images``, both from the same begin_step states: a state computed two
+    ways (GEP's basis, where the anchor gradients are rank-deficient) may differ in directions
+    that carry no signal."""
+    from dpbench.compiler import per_example
+    from dpbench.compiler.lower import begin_step_fn
+
+    slow, _ = compile_small(smallest_pipeline(h.stage), with_model=False)
+    batch = h.batch(images, h.labels)
+    loss_fn, key = models.cross_entropy_loss(h.model), jax.random.key(7)
+    states = jax.jit(begin_step_fn(h.compiled.plan, loss_fn))(h.state, key)
+
+    def clipped_sum(plan):
+        fn = per_example.clipped_sum_fn(plan, loss_fn)
+        return jax.jit(lambda b: fn(h.state.params, states, h.state.step, key, b)[0])(batch)
+
+    fast_sum, slow_sum = clipped_sum(h.compiled.plan), clipped_sum(slow.plan)
+    return (h.compiled.plan.strategy == "bookkeeping" and slow.plan.strategy == "materialized"
+            and _norm(jax.tree.map(jnp.subtract, fast_sum, slow_sum))
+            <= 1e-5 * (1 + _norm(slow_sum)))
+
+
 def check_mask_declaration(h: Harness) -> bool:
     if stages.Mask.PER_EXAMPLE not in h.stage.public_mask:
         return False
-    slow, _ = compile_small(smallest_pipeline(h.stage), with_model=False)
-    batch = h.batch(h.images, h.labels)
-    fast_sum = jax.jit(h.compiled.lowered.clipped_sum)(h.state, batch)
-    slow_sum = jax.jit(slow.lowered.clipped_sum)(h.state, batch)
-    if h.compiled.plan.strategy != "bookkeeping" or slow.plan.strategy != "materialized" or \
-            _norm(jax.tree.map(jnp.subtract, fast_sum, slow_sum)) > 1e-5 * (1 + _norm(slow_sum)):
+    if not _strategies_agree(h, h.images):
         raise StageCheckError(h.stage.name, "mask", "it is not its declared per-example mask "
                               "(the clipped sum differs from the one that applies it)")
     return True
@@ -226,25 +244,9 @@ def check_layer_clip(h: Harness) -> bool:
     per-example apply gives (what the compiler relies on when it runs the layer form)."""
     if h.compiled.plan.fns[h.index].layer_clip is None:
         return False
-    from dpbench.compiler import per_example
-    from dpbench.compiler.lower import begin_step_fn
-
-    slow, _ = compile_small(smallest_pipeline(h.stage), with_model=False)
     images, sample = h.images.copy(), h.compiled.sampler.sample(0)
     images[sample.indices[np.argmax(sample.mask)]] = np.nan  # non-finite: both leave it out
-    batch = h.batch(images, h.labels)
-    loss_fn, key = models.cross_entropy_loss(h.model), jax.random.key(7)
-    # Both from the same begin_step states: a state computed two ways (GEP's basis, where the
-    # anchor gradients are rank-deficient) may differ in directions that carry no signal.
-    states = jax.jit(begin_step_fn(h.compiled.plan, loss_fn))(h.state, key)
-
-    def clipped_sum(plan):
-        fn = per_example.clipped_sum_fn(plan, loss_fn)
-        return jax.jit(lambda b: fn(h.state.params, states, h.state.step, key, b)[0])(batch)
-
-    fast_sum, slow_sum = clipped_sum(h.compiled.plan), clipped_sum(slow.plan)
-    if h.compiled.plan.strategy != "bookkeeping" or slow.plan.strategy != "materialized" or \
-            _norm(jax.tree.map(jnp.subtract, fast_sum, slow_sum)) > 1e-5 * (1 + _norm(slow_sum)):
+    if not _strategies_agree(h, images):
         raise StageCheckError(h.stage.name, "layer_clip", "its book-keeping form (layer_clip) "
                               "does not give the clipped sum its per-example apply gives")
     return True

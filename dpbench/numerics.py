@@ -69,6 +69,9 @@ def host_numerics(cpuinfo: Path = Path("/proc/cpuinfo")) -> dict:
     versions = records.versions(("jax", "jaxlib", "numpy", "scipy", "dp-accounting"))
     versions.pop("python")  # no bit depends on it
     return {"versions": versions, "cpu": _cpuinfo(cpuinfo), "cores": os.cpu_count(),
+            # under taskset XLA's thread pool follows the affinity mask, and its reductions
+            # split by thread: GEP's parameters differed between 1 and 2 usable cores
+            "usable_cores": len(os.sched_getaffinity(0)),
             "devices": jax.device_count(), "numpy_simd": _numpy_simd(), "blas": _blas(),
             "env": {k: os.environ[k] for k in _ENV_KNOBS if k in os.environ}}
 

@@ -92,3 +92,13 @@ def test_the_simulated_other_host_is_one_level_below_this_one_everywhere(flags, 
     host.update(blas=["openblas 0.3.31 Sandybridge"], numpy_simd={"dispatch_enabled": ["X86_V3"]})
     env = numerics.other_host_env(host)
     assert env["OPENBLAS_CORETYPE"] == "Nehalem" and env["NPY_DISABLE_CPU_FEATURES"] == ""
+
+def test_host_numerics_names_the_cores_a_taskset_leaves(monkeypatch):
+    """A run pinned to fewer cores (as the sweep pins trials) sums in another order: its
+    numerics must not share a digest with the unpinned host's."""
+    monkeypatch.setattr(numerics.os, "sched_getaffinity", lambda pid: {0, 1})
+    both = numerics.host_numerics()
+    monkeypatch.setattr(numerics.os, "sched_getaffinity", lambda pid: {1})
+    pinned = numerics.host_numerics()
+    assert (both["usable_cores"], pinned["usable_cores"]) == (2, 1)
+    assert numerics.numerics_digest(both) != numerics.numerics_digest(pinned)

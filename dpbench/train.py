@@ -206,7 +206,7 @@ def _maybe_evaluate(loop: _Loop, state, progress: Progress, done: int, end_step:
     eval_every = loop.config.eval_every_steps or max(int(round(loop.run.steps_per_epoch)), 1)
     if done % eval_every and done != end_step:
         return
-    params = state.ema_params if loop.config.ema_decay > 0 else state.params
+    params = loop.run.compiled.evaluation_params(state)  # the debiased EMA when there is one
     if not len(loop.run.dataset.validation):  # a refit: the last step's model is reported
         if done == end_step:
             progress.best = {"validation_accuracy": None, "step": done,

@@ -42,7 +42,8 @@ def assert_trees_identical(a, b):
 
 def test_sigkill_at_a_random_step_then_resume_is_bit_identical(tmp_path):
     bindings = ["train.epochs = 4", "train.log_every_steps = 1", "train.seed = 11",
-                "train.checkpoint_every_steps = 3", "train.eval_every_steps = 6"]
+                "train.checkpoint_every_steps = 3", "train.eval_every_steps = 6",
+                "train.ema_decay = 0.9"]  # the debiased EMA's state (its count too) resumes
     full, killed = tmp_path / "full", tmp_path / "killed"
     uninterrupted = subprocess.Popen(cli_command(full, bindings), cwd=REPO_ROOT,
                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

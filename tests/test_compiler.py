@@ -340,3 +340,27 @@ def test_masked_sum_is_the_sum_over_real_examples_and_ignores_the_rest_exactly()
                                rtol=1e-5, atol=1e-5)
     positions = np.arange(micro_steps * micro).reshape(micro_steps, micro)
     assert float(aux["position"]) == float(positions[mask].sum())
+
+
+@pytest.mark.parametrize("decay", [0.9, 0.999])
+def test_evaluated_ema_is_the_normalized_average_of_the_steps_taken(decay):
+    """The parameters a run evaluates with an EMA: sum_s (1 - d) d^(t-s) p_s / (1 - d^t) over
+    the params after steps 1..t, with no weight on the initial parameters (an EMA started at
+    them keeps d^t: 99.6% after 4 steps at d = 0.999, so its 'model' is the initialization)."""
+    n = 32
+    images, labels = random_data(n, seed=int(np.random.default_rng().integers(1e6)))
+    compiled, init_params, _ = compile_small(dpsgd_stages(learning_rate=0.5), n=n, batch_size=n,
+                                             micro=8, noise_multiplier=0.5, padded_batch_size=n,
+                                             ema_decay=decay)
+    state = compiled.init_state(init_params(jax.random.key(0)), jax.random.key(1))
+    trajectory = []
+    for step in range(4):
+        b = compiled.sampler.sample(step)
+        state, _ = compiled.step(state, make_batch(compiled, images, labels, b.indices, b.mask))
+        trajectory.append(jax.tree.map(np.array, state.params))  # the step donates its input
+    t = len(trajectory)
+    weights = [(1 - decay) * decay ** (t - 1 - s) / (1 - decay ** t) for s in range(t)]
+    want = jax.tree.map(lambda *ps: sum(w * p for w, p in zip(weights, ps)), *trajectory)
+    got = compiled.evaluation_params(state)
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-6)

@@ -47,7 +47,8 @@ def check_best_step_follows_validation(workdir):
     validation's."""
     validation, test = _split([0, 0, 0, 1, 1, 2]), _split([1, 1, 1, 0, 0, 2])
     run = SimpleNamespace(dataset=SimpleNamespace(validation=validation, test=test),
-                          steps_per_epoch=1.0)
+                          steps_per_epoch=1.0,
+                          compiled=SimpleNamespace(evaluation_params=lambda state: state.params))
     loop = train._Loop(run=run, config=config.TrainConfig(eval_every_steps=1), workdir=workdir,
                        ckpts=None, settings={}, wall_start=0.0,
                        eval_fn=lambda params, x, y: int(np.sum(y == params["predicts"])))

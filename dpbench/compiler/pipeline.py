@@ -40,6 +40,10 @@ class CompiledPipeline:
     def stages(self) -> tuple:
         return self.plan.stages
 
+    def evaluation_params(self, state):
+        """The parameters a run evaluates and reports (the debiased EMA when there is one)."""
+        return self.lowered.evaluation_params(state)
+
     @property
     def sensitivity(self) -> float:
         return self.plan.sensitivity

@@ -30,7 +30,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 BOARD_METHODS = REPO_ROOT / "pipelines"  # dpbench's own methods
 PIPELINE_FILE, METHOD_FILE, README_FILE = "pipeline.gin", "method.json", "README.md"
 METHOD_KEYS = {"paper", "claim", "search", "audit", "about"}
-SEARCH_KEYS = {"space", "exclude", "trial0", "trial0_is"}
+SEARCH_KEYS = {"space", "exclude", "shared_as", "trial0", "trial0_is"}
 
 
 class MethodError(ValueError):

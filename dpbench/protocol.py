@@ -12,11 +12,14 @@ Schema (JSON; docs/board-protocol.md has a complete 20-line example)::
          "gin_files": ["gin/data/...", "gin/model/..."],   # after each method's pipeline.gin
          "base": ["train.x = 1"],                          # bindings of every trial
          "space": {"<gin key>": {"log_uniform": [lo, hi]} | {"uniform": [lo, hi]}
-                                | {"choice": [...]} | {"value": x},   # + "privacy": true
-                   ...},
+                                | {"choice": [...]} | {"value": x},   # + "privacy": true,
+                   ...},               # "over"/"times": "<key>" (derived), "source": "why"
          "methods": ["dpsgd", "mine"]}}}      # method folders (dpbench.methods)
 
-A method may also be given inline, ``"methods": {"name": {"gin_file": ..., "space": ...}}``.
+A method may also be given inline, ``"methods": {"name": {"gin_file": ..., "space": ...}}``;
+a method's entry (its folder's method.json, per family) may ``exclude`` shared keys, bind one
+under its own name (``"shared_as": {"<shared key>": "<its key>"}``) and add or redefine keys in
+its own ``space`` (how trials are drawn and paired: ``dpbench.search_space``).
 A space key that changes a run's DpEvent (batch size, epochs) must say ``"privacy": true`` and
 take finitely many values; the search's epsilon takes the worst of them.
 """
@@ -63,12 +66,16 @@ def check_trials(method: str, gin_files, trials, run_bindings) -> None:
         raise ProtocolError(f"method {method!r}: {e}") from e
 
 
+SPEC_EXTRAS = ("privacy", "over", "times", "source")
+
+
 def _check_spec(where: str, key: str, spec) -> None:
     kinds = [k for k in SPEC_KINDS if isinstance(spec, dict) and k in spec]
-    if len(kinds) != 1 or set(spec) - {kinds[0], "privacy"}:
+    if len(kinds) != 1 or set(spec) - {kinds[0], *SPEC_EXTRAS}:
         raise ProtocolError(f"{where}: {key} must be one of {{'log_uniform': [lo, hi]}}, "
                             "{'uniform': [lo, hi]}, {'choice': [...]} or {'value': x}, with an "
-                            f"optional \"privacy\": true; got {spec!r}")
+                            "optional \"privacy\": true, \"over\" / \"times\": \"<key>\" "
+                            f"and \"source\": \"...\"; got {spec!r}")
     kind = kinds[0]
     if kind in ("log_uniform", "uniform"):
         lo, hi = spec[kind]
@@ -77,10 +84,29 @@ def _check_spec(where: str, key: str, spec) -> None:
                                 f"lo < hi{' and lo > 0' if kind == 'log_uniform' else ''}")
     if kind == "choice" and not spec["choice"]:
         raise ProtocolError(f"{where}: {key} has no choices")
-    if spec.get("privacy") and kind not in ("choice", "value"):
+    if spec.get("privacy") and (kind not in ("choice", "value") or "over" in spec
+                                or "times" in spec):
         raise ProtocolError(f"{where}: {key} changes the run's DpEvent (\"privacy\": true), so "
                             "it must be a finite 'choice' or a 'value': the search's epsilon "
                             "takes the maximum over every value it can take")
+    if ("over" in spec or "times" in spec) and (kind not in ("log_uniform", "uniform")
+                                                or "over" in spec and "times" in spec):
+        raise ProtocolError(f"{where}: {key}: \"over\" or \"times\" (one of them) derives a "
+                            "range's value from another key's; it needs a log_uniform or "
+                            "uniform range")
+
+
+def _check_derived(where: str, specs: dict, names: dict) -> None:
+    """A derived key ("over"/"times") of ``specs`` names a plain key of ``names`` (the same
+    method's keys, a shared one also by its ``shared_as`` name)."""
+    for key, spec in specs.items():
+        other = spec.get("over", spec.get("times"))
+        if other is None:
+            continue
+        if other not in names or "over" in names[other] or "times" in names[other]:
+            raise ProtocolError(f"{where}: {key} is drawn {'over' if 'over' in spec else 'times'}"
+                                f" {other!r}, which is not a plain key this method draws (add "
+                                f"it to the space, or stop excluding it)")
 
 
 def _resolve_methods(path: Path, protocol: dict) -> None:
@@ -116,10 +142,11 @@ def _resolve_methods(path: Path, protocol: dict) -> None:
 def _check_trial_law(path: Path, trials: dict) -> None:
     if "fixed" in trials:
         k = trials["fixed"]
-        if set(trials) - {"fixed", "why"} or isinstance(k, bool) or not isinstance(k, int) \
+        if set(trials) - {"fixed", "why", "seed"} or isinstance(k, bool) or not isinstance(k, int) \
                 or k < 1:
             raise ProtocolError(f"{path}: 'trials': {{\"fixed\": K}} takes one integer K >= 1 "
-                                f"(every method runs exactly K trials), got {trials}")
+                                f"(every method runs exactly K trials; an optional 'seed' seeds "
+                                f"the draws), got {trials}")
         return
     missing = [k for k in TRIAL_COUNT_KEYS if k not in trials]
     if missing or trials["mean_random"] < 1 or not (
@@ -128,6 +155,19 @@ def _check_trial_law(path: Path, trials: dict) -> None:
         raise ProtocolError(f"{path}: 'trials' needs shape >= 0 (0 logarithmic, 1 geometric, "
                             "\"inf\" Poisson), mean_random >= 1 and seed, or {\"fixed\": K}; "
                             f"missing {missing or 'nothing'}, got {trials}")
+
+
+def _check_method_space(where: str, family: dict, m: dict) -> None:
+    """The method's specs under the family's names (what its draws resolve against)."""
+    rename = m.get("shared_as", {})
+    if not isinstance(rename, dict) or set(rename) - set(family.get("space", {})):
+        raise ProtocolError(f"{where}: shared_as maps the family's shared keys to the method's "
+                            f"names; {rename!r} names keys the family's space lacks")
+    specs = {k: v for k, v in family.get("space", {}).items()
+             if k not in m.get("exclude", ()) and k not in m.get("space", {})}
+    aliases = {rename[k]: specs[k] for k in rename if k in specs}
+    specs = {**specs, **m.get("space", {})}
+    _check_derived(where, specs, {**aliases, **specs})
 
 
 def load_protocol(path) -> dict:
@@ -155,4 +195,5 @@ def load_protocol(path) -> dict:
                                     "family's methods by name, each a method folder)")
             for key, value in m.get("space", {}).items():
                 _check_spec(f"{where} method {method}", key, value)
+            _check_method_space(f"{where} method {method}", spec, m)
     return protocol

@@ -26,13 +26,12 @@ its combination's, so a knob that changes the event without being declared is ca
 
 What this epsilon covers: releasing the ONE selected model of a search run as declared, with K
 and the other trials' outputs kept secret (revealing K or the losers voids it). The board itself
-publishes all trials for research; it is not such a release.
+publishes all trials for research; it is not such a release: what the board publishes costs
+``published_epsilon``, the composition of every run it prints.
 """
 
 from __future__ import annotations
 
-import hashlib
-import itertools
 import json
 import math
 from pathlib import Path
@@ -44,8 +43,11 @@ from dp_accounting.rdp import rdp_privacy_accountant
 
 from dpbench import accounting
 
-# The protocol file's reading and checks (re-exported: sweep and tests reach them here).
+# The protocol file's reading and checks, and what each trial binds (re-exported: sweep and
+# tests reach them here).
 from dpbench.protocol import ProtocolError, check_trials, load_protocol  # noqa: F401
+from dpbench.search_space import (binding, method_space, privacy_key,  # noqa: F401
+                                  privacy_support, shared_draw, stable_seed, trial_bindings)
 
 SEARCH_FILE = "search.json"  # a group's plan, beside its published runs
 DIVERGED = "diverged.json"   # what a run that diverged publishes instead of its record
@@ -60,19 +62,13 @@ def group_name(family: str, epsilon: float, delta: float) -> str:
     return f"{family}__eps{float(epsilon)}__delta{delta:g}"
 
 
-def _seed(*parts) -> np.random.SeedSequence:
-    """A seed from the protocol's seed and names, stable across Python runs and machines."""
-    digest = hashlib.sha256("/".join(str(p) for p in parts).encode()).digest()
-    return np.random.SeedSequence([int.from_bytes(digest[:8], "little")])
-
-
 def draw_random_trials(trials: dict, group: str) -> int:
     """J, the number of random trials of every method of ``group``: one draw, from a seed
     derived from the protocol's seed and the group's name, of the law dp_accounting's
     RepeatAndSelectDpEvent(mean_random, shape) accounts; K - 1 for a fixed K."""
     if "fixed" in trials:
         return int(trials["fixed"]) - 1
-    rng = np.random.default_rng(_seed(trials["seed"], group, "trials"))
+    rng = np.random.default_rng(stable_seed(trials["seed"], group, "trials"))
     return sample_trial_count(rng, float(trials["mean_random"]), shape_of(trials))
 
 
@@ -91,68 +87,6 @@ def sample_trial_count(rng: np.random.Generator, mean: float, shape: float) -> i
         j = int(scipy.stats.nbinom(shape, gamma).rvs(random_state=rng))
         if j >= 1:
             return j
-
-
-def _draw(spec: dict, rng: np.random.Generator):
-    if "value" in spec:
-        return spec["value"]
-    if "choice" in spec:
-        return spec["choice"][int(rng.integers(len(spec["choice"])))]
-    lo, hi = spec.get("log_uniform") or spec["uniform"]
-    if "log_uniform" in spec:
-        value = math.exp(rng.uniform(math.log(lo), math.log(hi)))
-    else:
-        value = rng.uniform(lo, hi)
-    return float(f"{value:.4g}")  # readable bindings; still a draw from the declared range
-
-
-def method_space(protocol: dict, family: str, method: str) -> dict:
-    """The family's shared space less the keys the method ``exclude``s (a knob its stages do
-    not have, e.g. GEP's two bounds replace the clip norm), plus the method's own knobs."""
-    spec = protocol["families"][family]
-    m = spec["methods"][method]
-    shared = {k: v for k, v in spec.get("space", {}).items() if k not in m.get("exclude", ())}
-    return {**shared, **m.get("space", {})}
-
-
-def binding(key: str, value) -> str:
-    """A gin binding; a string starting with '@' or '%' is a gin reference, written as is."""
-    if isinstance(value, str) and value[:1] in ("@", "%"):
-        return f"{key} = {value}"
-    return f"{key} = {value!r}"
-
-
-def trial_bindings(protocol: dict, family: str, group: str, method: str, num_random: int):
-    """Bindings of trials 0..J, each after the family's ``base``: trial 0 the method's own
-    recipe (``trial0``, default: its pipeline as is), the rest drawn from its space (sorted
-    keys, one generator per (group, method) from the protocol's seed)."""
-    spec = protocol["families"][family]
-    m = spec["methods"][method]
-    base = list(spec.get("base", []))
-    space = method_space(protocol, family, method)
-    rng = np.random.default_rng(_seed(protocol["trials"].get("seed", 0), group, method,
-                                     "space"))
-    out = [base + list(m.get("trial0", []))]
-    for _ in range(num_random):
-        out.append(base + [binding(key, _draw(space[key], rng)) for key in sorted(space)])
-    return out
-
-
-def privacy_support(protocol: dict, family: str, method: str) -> list:
-    """Every combination of the space's privacy-relevant values, as lists of bindings."""
-    space = method_space(protocol, family, method)
-    keys = sorted(k for k, v in space.items() if v.get("privacy"))
-    values = [space[k]["choice"] if "choice" in space[k] else [space[k]["value"]] for k in keys]
-    base = list(protocol["families"][family].get("base", []))
-    return [base + [binding(k, v) for k, v in zip(keys, combo)]
-            for combo in itertools.product(*values)]
-
-
-def privacy_key(bindings, protocol: dict, family: str, method: str) -> tuple:
-    """The privacy-relevant part of a random trial's bindings: which support point it is."""
-    space = method_space(protocol, family, method)
-    keys = {k for k, v in space.items() if v.get("privacy")}
-    return tuple(sorted(b for b in bindings if b.split(" = ")[0] in keys))
 
 
 # ------------------------------------------------------------------ the search's epsilon (RDP)
@@ -202,6 +136,16 @@ def search_epsilon(trial0_event: dp_event.DpEvent, support_events, *, mean_rando
     if epsilon > cap:  # cannot happen (a smaller delta moves epsilon by far less than 1)
         raise AssertionError("search epsilon moved by more than its cap")
     return float(epsilon)
+
+
+def published_epsilon(events, delta: float, discretization: float = 1e-3) -> float:
+    """Epsilon at ``delta`` of everything a board publishes for one method of a group: the
+    PLD composition of every run's own DpEvent (all K trials, the losers included, and the
+    winner's retrains). True whatever is known about K: the board prints K and every trial, so
+    Papernot & Steinke's epsilon (``search_epsilon``, K secret) does not cover it."""
+    budget = accounting.Budget(epsilon=1.0, delta=delta, accountant="pld",
+                               pld_discretization=discretization)
+    return accounting.epsilon_of(dp_event.ComposedDpEvent(list(events)), budget)
 
 
 def finished_score(value):

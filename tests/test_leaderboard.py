@@ -358,3 +358,26 @@ def test_a_failed_or_diverged_run_is_never_chosen_or_ranked(records, tmp_path, m
             check_a_failed_run_is_never_chosen_or_ranked(records, failed_path, tmp_path)
     else:
         check_a_failed_run_is_never_chosen_or_ranked(records, failed_path, tmp_path)
+
+
+def _dpsgd_runs(lr, tests, eps=1.0):
+    return [fake_record("dpsgd", seed, 0.8, t, lr=lr, eps=eps) for seed, t in enumerate(tests)]
+
+
+def test_the_baseline_check_fires_on_a_weaker_dpsgd_row_and_only_then():
+    """Board v2's case: its DP-SGD row scored 82.02 +- 0.41 while an archived DP-SGD
+    configuration of the same group scored 83.15 +- 0.03: 'weaker'. A row as good as the best
+    recorded one (or within its seed noise) passes."""
+    from dpbench.board.verdicts import baseline_check, best_recorded_baseline
+
+    rng = np.random.default_rng()
+    archived = _dpsgd_runs(2.0, 0.8315 + rng.normal(0, 3e-4, 3))
+    noise = _dpsgd_runs(9.0, [0.70, 0.71, 0.72]) + _dpsgd_runs(1.0, [0.84], eps=3.0)  # not best
+    best = best_recorded_baseline(archived + noise, "fashion_mnist", "tanh_cnn", 1.0,
+                                           1e-5)
+    assert best["label"] == "optimize.optax.learning_rate=2.0"
+    weaker = baseline_check(0.8202 + rng.normal(0, 4e-3, 4), best)
+    assert weaker["status"] == "weaker" and weaker["best"] == pytest.approx(0.8315, abs=2e-3)
+    assert baseline_check(0.8315 + rng.normal(0, 3e-4, 4), best)["status"] == "ok"
+    assert baseline_check([0.826, 0.836, 0.831, 0.829], best)["status"] == "ok"
+    assert baseline_check([0.82, 0.83], None)["status"] == "ok"

@@ -71,8 +71,9 @@ def test_every_board_method_is_a_folder_with_its_three_files():
     for name, method in found.items():
         assert method.gin_file == f"pipelines/{name}/pipeline.gin"
         assert method.paper
-    assert found["gep"].search_entry("fashion_mnist__tanh_cnn")["exclude"] == [
-        "clip.global_l2.l2_bound"]
+    # GEP's embedding bound takes the clip's paired draw under its own name
+    assert found["gep"].search_entry("fashion_mnist__tanh_cnn")["shared_as"] == {
+        "clip.global_l2.l2_bound": "gep.embed_and_clip.embedding_bound"}
 
 
 @pytest.mark.parametrize("damage,match", [

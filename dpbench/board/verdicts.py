@@ -5,9 +5,48 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from dpbench.board.results import BASELINE, GROUP_PATTERN, load_records, summarize
+import numpy as np
+import scipy.stats
+
+from dpbench.board.results import (BASELINE, GROUP_PATTERN, config_key, config_label,
+                                   load_records, summarize)
 
 
+def best_recorded_baseline(records, dataset: str, model: str, epsilon: float, delta: float):
+    """The best DP-SGD configuration dpbench has recorded for a group under any protocol
+    (``records``: every record set's runs, archives included): highest mean test accuracy over
+    its seeds among configurations with at least 2 seeds. A check, not a claim: picking the best
+    on test is itself biased upward, which makes the check strict. None when there is none."""
+    configs = {}
+    for r in records:
+        if (r["pipeline"], r["dataset"], r["model"]) == (BASELINE, dataset, model) and \
+                float(r["target_epsilon"]) == float(epsilon) and float(r["delta"]) == delta:
+            configs.setdefault(config_key(r), []).append(r)
+    scored = {k: [float(r["test_accuracy"]) for r in runs] for k, runs in configs.items()
+              if len({r["seed"] for r in runs}) >= 2}
+    if not scored:
+        return None
+    best = min(scored, key=lambda k: (-np.mean(scored[k]), k))
+    others = [r for k, runs in configs.items() if k != best for r in runs]
+    return dict(key=best, scores=scored[best], where=str(configs[best][0].get("_path", "")),
+                label=config_label(configs[best][0], others))
+
+
+def baseline_check(current_scores, best) -> dict:
+    """Is the board's DP-SGD row at least the best recorded DP-SGD configuration? 'weaker'
+    when a 95% Welch t interval of (row - best) lies below zero, else 'ok'; both means shown."""
+    row = np.asarray(current_scores, float)
+    if best is None:
+        return dict(status="ok", row=float(row.mean()), best=None)
+    other = np.asarray(best["scores"], float)
+    diff = float(row.mean() - other.mean())
+    if row.var() == 0 and other.var() == 0:  # no spread at all: Welch's interval is undefined
+        weaker = diff < 0
+    else:
+        welch = scipy.stats.ttest_ind(row, other, equal_var=False)
+        weaker = welch.confidence_interval(0.95).high < 0
+    return dict(status="weaker" if weaker else "ok", row=float(row.mean()),
+                best=float(other.mean()), best_label=best["label"], best_where=best["where"])
 
 
 def v1_gains(v1_records) -> dict:

@@ -1,0 +1,106 @@
+"""What each trial binds: paired quasirandom draws, derived keys, the checks on them."""
+
+import json
+
+import numpy as np
+import pytest
+
+from dpbench import search_space, tuning
+
+CLIP, LR = "clip.global_l2.l2_bound", "optimize.optax.learning_rate"
+
+
+def protocol(seed=None):
+    """A family whose shared space has a range, a derived range and a privacy choice; four
+    methods: one keeps everything, one adds its own knob, one binds the clip under its own
+    name, one redefines the learning rate and excludes the batch size."""
+    seed = int(np.random.default_rng().integers(1 << 30)) if seed is None else seed
+    space = {CLIP: {"log_uniform": [0.02, 0.2]},
+             LR: {"log_uniform": [0.1, 1.6], "over": CLIP},
+             "train.batch_size": {"choice": [128, 256], "privacy": True},
+             "train.ema_decay": {"choice": [0.0, 0.9, 0.99]}}
+    pipeline = "pipelines/dpsgd/pipeline.gin"
+    return {"trials": {"fixed": 9, "seed": seed}, "families": {"F": {"space": space, "methods": {
+        "plain": {"gin_file": pipeline},
+        "own": {"gin_file": pipeline, "space": {"sparsify.random_mask.final_rate":
+                                                {"uniform": [0.3, 0.9]}}},
+        "renamed": {"gin_file": pipeline, "shared_as": {CLIP: "gep.embed_and_clip.x"},
+                    "space": {"gep.embed_and_clip.r": {"uniform": [0.1, 0.5],
+                                                       "times": "gep.embed_and_clip.x"}}},
+        "apart": {"gin_file": pipeline, "exclude": ["train.batch_size"],
+                  "space": {LR: {"log_uniform": [1.0, 2.0]}}}}}}}
+
+
+def _values(bindings):
+    return dict(b.split(" = ", 1) for b in bindings)
+
+
+def test_trial_j_shares_its_draw_across_methods_and_own_knobs_are_the_methods_own():
+    p = protocol()
+    trials = {m: tuning.trial_bindings(p, "F", "G", m, 8)
+              for m in ("plain", "own", "renamed", "apart")}
+    for j in range(1, 9):
+        draws = {m: tuning.shared_draw(t[j], p, "F", m) for m, t in trials.items()}
+        assert draws["plain"] == draws["own"] == draws["renamed"], j
+        assert len(draws["plain"]) == 4
+        # 'apart' keeps only the keys it neither excludes nor redefines, with the same values
+        assert draws["apart"] == {k: draws["plain"][k] for k in (CLIP, "train.ema_decay")}
+        renamed = _values(trials["renamed"][j])
+        assert CLIP not in renamed and renamed["gep.embed_and_clip.x"] == draws["plain"][CLIP]
+        ratio = float(renamed["gep.embed_and_clip.r"]) / float(renamed["gep.embed_and_clip.x"])
+        assert 0.1 * (1 - 1e-3) <= ratio <= 0.5 * (1 + 1e-3)  # drawn times its own name
+        assert 1.0 <= float(_values(trials["apart"][j])[LR]) <= 2.0
+    # the draws differ between trials, and another group draws other points
+    assert len({trials["plain"][j][0] for j in range(1, 9)}) == 8
+    assert tuning.trial_bindings(p, "F", "H", "plain", 8) != trials["plain"]
+    assert tuning.trial_bindings(p, "F", "G", "plain", 8) == trials["plain"]
+
+
+def test_the_learning_rate_is_drawn_as_the_effective_step_over_the_clip():
+    p = protocol()
+    for trial in tuning.trial_bindings(p, "F", "G", "plain", 8)[1:]:
+        v = _values(trial)
+        step = float(v[LR]) * float(v[CLIP])
+        assert 0.1 * (1 - 1e-3) <= step <= 1.6 * (1 + 1e-3)  # 4 significant digits each
+
+
+def test_points_are_stratified_in_every_dimension():
+    """The first 2^m scrambled Sobol points put exactly one point in each 1/2^m of every
+    coordinate (why a K of 8 covers a range evenly; i.i.d. draws leave gaps)."""
+    u = search_space.unit_points(8, 5, search_space.stable_seed(np.random.default_rng()
+                                                                 .integers(1 << 30)))
+    for d in range(5):
+        assert sorted(np.floor(u[:, d] * 8).astype(int)) == list(range(8))
+
+
+def test_a_choice_is_taken_evenly_over_a_balanced_block():
+    p = protocol()
+    sizes = [_values(t)["train.batch_size"] for t in tuning.trial_bindings(p, "F", "G", "plain",
+                                                                           8)[1:]]
+    assert sorted(sizes) == ["128"] * 4 + ["256"] * 4
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda p: p["families"]["F"]["methods"]["plain"].update(exclude=[CLIP]), "not a plain key"),
+    (lambda p: p["families"]["F"]["space"][LR].update(over="train.nothing"), "not a plain key"),
+    (lambda p: p["families"]["F"]["space"][LR].update(times=CLIP), "one of them"),
+    (lambda p: p["families"]["F"]["space"]["train.batch_size"].update(over=CLIP), "finite"),
+    (lambda p: p["families"]["F"]["methods"]["own"].update(shared_as={"x.y": "z"}), "shared_as"),
+])
+def test_a_bad_derived_or_renamed_key_is_refused(tmp_path, change, message):
+    p = protocol(seed=1)
+    p.update(delta=1e-5, epsilons=[1.0], seeds=[0])
+    change(p)
+    path = tmp_path / "protocol.json"
+    path.write_text(json.dumps(p))
+    with pytest.raises(tuning.ProtocolError, match=message):
+        tuning.load_protocol(path)
+
+
+def test_the_test_protocol_loads(tmp_path):
+    p = protocol(seed=1)
+    p.update(delta=1e-5, epsilons=[1.0], seeds=[0])
+    path = tmp_path / "protocol.json"
+    path.write_text(json.dumps(p))
+    loaded = tuning.load_protocol(path)
+    assert set(loaded["families"]["F"]["methods"]) == {"plain", "own", "renamed", "apart"}

@@ -6,7 +6,8 @@ Schema (JSON; docs/board-protocol.md has a complete 20-line example)::
 
     {"delta": 1e-5, "epsilons": [3.0, 1.0], "seeds": [0, 1, 2],
      "trials": {"shape": "inf", "mean_random": 5, "seed": 1}   # K = 1 + J, J ~ the law
-               or {"fixed": K},                                 # exactly K (smoke tests)
+               or {"fixed": K, "seed": 1,                       # exactly K (the board:
+                   "deployment": {"shape": "inf", "mean_random": 7}},  # K is public anyway)
      "method_dirs": ["my_methods"],          # optional; relative to this file; then pipelines/
      "families": {"<dataset>__<model>": {
          "gin_files": ["gin/data/...", "gin/model/..."],   # after each method's pipeline.gin
@@ -139,22 +140,35 @@ def _resolve_methods(path: Path, protocol: dict) -> None:
             spec["methods"] = {m: found[m].search_entry(family) for m in spec["methods"]}
 
 
+def _check_random_law(path: Path, law: dict, where: str, keys=TRIAL_COUNT_KEYS) -> None:
+    missing = [k for k in keys if k not in law]
+    if missing or law["mean_random"] < 1 or not (
+            law["shape"] == "inf" or isinstance(law["shape"], (int, float))
+            and law["shape"] >= 0):
+        raise ProtocolError(f"{path}: {where} needs shape >= 0 (0 logarithmic, 1 geometric, "
+                            "\"inf\" Poisson), mean_random >= 1"
+                            + (" and seed" if "seed" in keys else "") + ", or {\"fixed\": K}; "
+                            f"missing {missing or 'nothing'}, got {law}")
+
+
 def _check_trial_law(path: Path, trials: dict) -> None:
     if "fixed" in trials:
         k = trials["fixed"]
-        if set(trials) - {"fixed", "why", "seed"} or isinstance(k, bool) or not isinstance(k, int) \
-                or k < 1:
+        if set(trials) - {"fixed", "why", "seed", "deployment"} or isinstance(k, bool) \
+                or not isinstance(k, int) or k < 1:
             raise ProtocolError(f"{path}: 'trials': {{\"fixed\": K}} takes one integer K >= 1 "
                                 f"(every method runs exactly K trials; an optional 'seed' seeds "
-                                f"the draws), got {trials}")
+                                f"the draws, an optional 'deployment' law the secret-K epsilon), "
+                                f"got {trials}")
+        if "deployment" in trials:
+            law = trials["deployment"]
+            if not isinstance(law, dict) or set(law) - {"shape", "mean_random", "why"}:
+                raise ProtocolError(f"{path}: 'trials.deployment' is a law "
+                                    "{\"shape\": ..., \"mean_random\": ...} (J drawn in "
+                                    f"secret by a deployment), got {law!r}")
+            _check_random_law(path, law, "'trials.deployment'", ("shape", "mean_random"))
         return
-    missing = [k for k in TRIAL_COUNT_KEYS if k not in trials]
-    if missing or trials["mean_random"] < 1 or not (
-            trials["shape"] == "inf" or isinstance(trials["shape"], (int, float))
-            and trials["shape"] >= 0):
-        raise ProtocolError(f"{path}: 'trials' needs shape >= 0 (0 logarithmic, 1 geometric, "
-                            "\"inf\" Poisson), mean_random >= 1 and seed, or {\"fixed\": K}; "
-                            f"missing {missing or 'nothing'}, got {trials}")
+    _check_random_law(path, trials, "'trials'")
 
 
 def _check_method_space(where: str, family: dict, m: dict) -> None:

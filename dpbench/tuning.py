@@ -238,8 +238,15 @@ def search_summary(group_dir) -> dict:
             mean_random=0.0 if fixed else float(law["mean_random"]),
             shape=0.0 if fixed else shape_of(law), delta=plan["delta"],
             fixed_random=plan["num_random"] if fixed else None)
+        deployment = law.get("deployment")  # a fixed K's board, and how to deploy it
+        deployment_epsilon = None if deployment is None else search_epsilon(
+            accounting.event_from_json(events[0]),
+            [accounting.event_from_json(e) for e in support.values()],
+            mean_random=float(deployment["mean_random"]), shape=shape_of(deployment),
+            delta=plan["delta"])
         out[method] = dict(num_trials=plan["num_trials"], winner=choose_trial(validation),
                            validation=validation, search_epsilon=epsilon,
+                           deployment_epsilon=deployment_epsilon,
                            law=dict(fixed=law["fixed"]) if fixed else dict(
                                shape=law["shape"], mean_random=law["mean_random"]))
     return out

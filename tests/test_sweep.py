@@ -2,6 +2,7 @@
 interrupted and restored, its published records, and the search's epsilon recomputed from them."""
 
 import json
+import math
 import os
 import shutil
 import signal
@@ -99,6 +100,34 @@ def test_the_search_epsilon_is_recomputed_from_the_records_with_dp_accounting(fi
         expected = rdp.get_epsilon(1e-5)
         assert summary[method]["search_epsilon"] == pytest.approx(expected, rel=1e-3)
         assert summary[method]["search_epsilon"] > trial0["epsilon"]
+
+
+def test_a_fixed_k_board_states_its_deployments_secret_k_epsilon(finished_sweep, tmp_path):
+    """A fixed K (board v3: K is public) with a declared deployment law: search_summary gives
+    the K runs' composition AND the Papernot-Steinke epsilon of a deployment drawing J from that
+    law in secret, dp_accounting's RepeatAndSelectDpEvent after trial 0."""
+    tmp, *_ = finished_sweep
+    group = tmp_path / GROUP
+    shutil.copytree(tmp / "records" / GROUP, group)
+    plan = json.loads((group / sweep.SEARCH_FILE).read_text())
+    plan["trials_law"] = {"fixed": 2, "seed": 7,
+                          "deployment": {"shape": "inf", "mean_random": 3}}
+    (group / sweep.SEARCH_FILE).write_text(json.dumps(plan))
+    summary = tuning.search_summary(group)
+    for method in ("dpsgd", "rs"):
+        trial0 = json.loads((group / f"{method}-t0-seed0" / "run_record.json").read_text())
+        view, _ = accounting._rdp_view(accounting.event_from_json(trial0["dp_event"]))
+        secret, composed = (rdp_privacy_accountant.RdpAccountant() for _ in range(2))
+        secret.compose(dp_event.ComposedDpEvent(
+            [view, dp_event.RepeatAndSelectDpEvent(view, 3, math.inf)]))
+        composed.compose(view, 2)  # K = 2 runs of the one support point
+        got = summary[method]
+        assert got["deployment_epsilon"] == pytest.approx(secret.get_epsilon(1e-5), rel=1e-3)
+        assert got["search_epsilon"] == pytest.approx(composed.get_epsilon(1e-5), rel=1e-3)
+        assert got["deployment_epsilon"] > got["search_epsilon"]  # mean K 4 > K 2
+    with pytest.raises(tuning.ProtocolError, match="deployment"):
+        from dpbench import protocol
+        protocol._check_trial_law("p.json", {"fixed": 8, "deployment": {"mean_random": 7}})
 
 
 def test_a_malformed_or_mismatched_record_is_rejected_with_its_path(finished_sweep, tmp_path):

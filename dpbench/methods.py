@@ -12,6 +12,8 @@ method.json (every key optional but ``paper``)::
 
     {"paper": "Yu et al., ICLR 2021",
      "claim": "+1.1 to +1.6 over DP-SGD on MNIST at epsilon 2 to 8 (Tab 1)",
+     "claim_gain": [1.1, 1.6],      # the claim in points over DP-SGD (null: open end), or
+                                    # {"<epsilon>": [lo, hi]}; the board's forest plot marks it
      "search": {"<family>" or "*": {"space": {...}, "exclude": [...], "trial0": [...],
                                     "trial0_is": "..."}},
      "audit": {"bindings": ["..."], "why": "..."} or {"skip": "why no canary audit applies"}}
@@ -29,7 +31,7 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parents[1]
 BOARD_METHODS = REPO_ROOT / "pipelines"  # dpbench's own methods
 PIPELINE_FILE, METHOD_FILE, README_FILE = "pipeline.gin", "method.json", "README.md"
-METHOD_KEYS = {"paper", "claim", "search", "audit", "about"}
+METHOD_KEYS = {"paper", "claim", "claim_gain", "search", "audit", "about"}
 SEARCH_KEYS = {"space", "exclude", "shared_as", "trial0", "trial0_is"}
 
 
@@ -43,6 +45,7 @@ class Method:
     folder: Path
     paper: str
     claim: str = ""
+    claim_gain: object = None  # [lo, hi] points over DP-SGD, or {"<epsilon>": [lo, hi]}
     search: dict = dataclasses.field(default_factory=dict)
     audit: dict = dataclasses.field(default_factory=dict)
 
@@ -77,13 +80,46 @@ def load_method(folder) -> Method:
     if not isinstance(spec, dict) or "paper" not in spec or set(spec) - METHOD_KEYS:
         raise MethodError(f"{where}: needs \"paper\" and only the keys {sorted(METHOD_KEYS)}; "
                           f"got {sorted(spec) if isinstance(spec, dict) else spec!r}")
+    _check_claim_gain(where, spec.get("claim_gain"))
     for family, knobs in spec.get("search", {}).items():
         if not isinstance(knobs, dict) or set(knobs) - SEARCH_KEYS:
             raise MethodError(f"{where}: search.{family} takes only {sorted(SEARCH_KEYS)}; "
                               f"got {knobs!r}")
     return Method(name=folder.name, folder=folder, paper=spec["paper"],
-                  claim=spec.get("claim", ""), search=spec.get("search", {}),
+                  claim=spec.get("claim", ""), claim_gain=spec.get("claim_gain"),
+                  search=spec.get("search", {}),
                   audit=spec.get("audit", {}))
+
+
+def _is_range(value) -> bool:
+    return (isinstance(value, list) and len(value) == 2 and any(v is not None for v in value)
+            and all(v is None or isinstance(v, (int, float)) and not isinstance(v, bool)
+                    for v in value)
+            and (None in value or value[0] <= value[1]))
+
+
+def _check_claim_gain(where, gain) -> None:
+    if gain is None or _is_range(gain) or isinstance(gain, dict) and gain and all(
+            _is_float(k) and _is_range(v) for k, v in gain.items()):
+        return
+    raise MethodError(f"{where}: \"claim_gain\" is the paper's gain over DP-SGD in points, "
+                      "[lo, hi] (null for an open end, e.g. [null, 0] for 'below DP-SGD'), or "
+                      f"{{\"<epsilon>\": [lo, hi], ...}}; got {gain!r}")
+
+
+def _is_float(text) -> bool:
+    try:
+        float(text)
+        return True
+    except ValueError:
+        return False
+
+
+def claim_range(gain, epsilon: float):
+    """The claimed (lo, hi) at ``epsilon`` (None: no numeric claim there)."""
+    if isinstance(gain, dict):
+        gain = next((v for k, v in gain.items() if float(k) == float(epsilon)), None)
+    return None if gain is None else tuple(gain)
 
 
 def discover(dirs=(BOARD_METHODS,)) -> dict:
@@ -102,5 +138,7 @@ def discover(dirs=(BOARD_METHODS,)) -> dict:
 
 
 def claims(dirs=(BOARD_METHODS,)) -> dict:
-    """name -> {"paper", "claim"}: what the board's verdicts print next to each gain."""
-    return {name: dict(paper=m.paper, claim=m.claim) for name, m in discover(dirs).items()}
+    """name -> {"paper", "claim", "claim_gain"}: what the board's verdicts print (and plot)
+    next to each gain."""
+    return {name: dict(paper=m.paper, claim=m.claim, claim_gain=m.claim_gain)
+            for name, m in discover(dirs).items()}

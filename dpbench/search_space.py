@@ -90,17 +90,23 @@ def binding(key: str, value) -> str:
     return f"{key} = {value!r}"
 
 
-def _draw_values(protocol: dict, family: str, group: str, method: str, num_random: int):
+def _draw_values(protocol: dict, family: str, group: str, method: str, num_random: int,
+                 rng: np.random.Generator | None = None):
     """Per random trial, {family or own key: value}: shared keys from the group's points (every
-    method the same), own keys from the method's points, derived keys resolved last."""
+    method the same), own keys from the method's points, derived keys resolved last. With
+    ``rng``: i.i.d. uniform points from it instead (a secret search, below)."""
     spec = protocol["families"][family]
     m = spec["methods"][method]
     own = m.get("space", {})
     shared_keys = sorted(spec.get("space", {}))
     own_keys = sorted(own)
     seed = protocol["trials"].get("seed", 0)
-    shared_u = unit_points(num_random, len(shared_keys), stable_seed(seed, group, "shared"))
-    own_u = unit_points(num_random, len(own_keys), stable_seed(seed, group, method, "own"))
+    if rng is None:
+        shared_u = unit_points(num_random, len(shared_keys), stable_seed(seed, group, "shared"))
+        own_u = unit_points(num_random, len(own_keys), stable_seed(seed, group, method, "own"))
+    else:
+        shared_u = rng.random((num_random, len(shared_keys)))
+        own_u = rng.random((num_random, len(own_keys)))
     for j in range(num_random):
         specs, units = {}, {}
         for i, key in enumerate(shared_keys):
@@ -115,16 +121,22 @@ def _draw_values(protocol: dict, family: str, group: str, method: str, num_rando
         yield {k: _resolve(s, values[k], values) for k, s in specs.items()}
 
 
-def trial_bindings(protocol: dict, family: str, group: str, method: str, num_random: int):
+def trial_bindings(protocol: dict, family: str, group: str, method: str, num_random: int,
+                   rng: np.random.Generator | None = None):
     """Bindings of trials 0..J, each after the family's ``base``: trial 0 the method's own
     recipe (``trial0``, default: its pipeline as is), then J paired draws (sorted keys, shared
-    keys renamed by the method's ``shared_as``)."""
+    keys renamed by the method's ``shared_as``).
+
+    ``rng`` (a secret search): the J draws are i.i.d. uniform from it, unpaired. Why: Papernot
+    & Steinke's bound needs every random trial to be the same randomized mechanism; a public
+    quasirandom sequence would make trial j's configuration name j, so a released winner would
+    reveal a lower bound on the secret J."""
     spec = protocol["families"][family]
     m = spec["methods"][method]
     base = list(spec.get("base", []))
     rename = m.get("shared_as", {})
     out = [base + list(m.get("trial0", []))]
-    for values in _draw_values(protocol, family, group, method, num_random):
+    for values in _draw_values(protocol, family, group, method, num_random, rng):
         named = {rename.get(k, k): v for k, v in values.items()}
         out.append(base + [binding(k, named[k]) for k in sorted(named)])
     return out

@@ -65,13 +65,22 @@ def support_events(tasks, workers: int) -> list:
         return list(pool.map(support_event, *zip(*tasks)))
 
 
-def plan_group(protocol: dict, family: str, epsilon: float, methods, workers: int = 1) -> dict:
-    """What search.json holds for one group (trial bindings and the support's events)."""
+def plan_group(protocol: dict, family: str, epsilon: float, methods, workers: int = 1,
+               secret_rng=None) -> dict:
+    """What search.json holds for one group (trial bindings and the support's events). With
+    ``secret_rng`` (a secret search): J from the deployment's law and i.i.d. draws, both from
+    that generator (OS entropy), never from the protocol's public seed."""
     group = tuning.group_name(family, epsilon, protocol["delta"])
     spec = protocol["families"][family]
-    num_random = tuning.draw_random_trials(protocol["trials"], group)
+    if secret_rng is None:
+        law = dict(protocol["trials"])
+        num_random = tuning.draw_random_trials(law, group)
+    else:
+        law = tuning.secret_law(protocol["trials"])
+        num_random = tuning.sample_trial_count(secret_rng, float(law["mean_random"]),
+                                               tuning.shape_of(law))
     plan = dict(group=group, family=family, epsilon=float(epsilon), delta=protocol["delta"],
-                trials_law=dict(protocol["trials"]), num_random=num_random,
+                trials_law=law, num_random=num_random,
                 num_trials=1 + num_random, seeds=list(protocol["seeds"]),
                 family_spec=spec, methods={})
     budget_bindings = [f"EPSILON = {float(epsilon)}", f"DELTA = {protocol['delta']!r}"]
@@ -82,7 +91,8 @@ def plan_group(protocol: dict, family: str, epsilon: float, methods, workers: in
         tasks += [(method, gin_files, b) for b in support]
         plan["methods"][method] = dict(
             gin_files=gin_files, support=[],
-            trials=tuning.trial_bindings(protocol, family, group, method, num_random))
+            trials=tuning.trial_bindings(protocol, family, group, method, num_random,
+                                         rng=secret_rng))
         tuning.check_trials(method, gin_files, plan["methods"][method]["trials"],
                             [*budget_bindings, "train.seed = 0"])
     events = support_events([(g, [*b, *budget_bindings]) for _, g, b in tasks], workers)
@@ -115,6 +125,68 @@ def prepare(protocol: dict, family: str, epsilon: float, methods, records: Path,
     # insertion order kept (methods as the protocol lists them: the order trials are queued)
     records_lib.atomic_write_text(path, json.dumps(plan, indent=1) + "\n")
     return plan
+
+
+def prepare_secret(protocol: dict, family: str, epsilon: float, methods, private: Path,
+                   workers: int = 1) -> dict:
+    """A secret search's plan, kept under ``private`` (never published): drawn once from OS
+    entropy; a rerun reuses it (drawing J again and keeping the better search would void the
+    bound)."""
+    group = tuning.group_name(family, epsilon, protocol["delta"])
+    path = private / group / SEARCH_FILE
+    if path.exists():
+        plan = json.loads(path.read_text())
+        if sorted(plan["methods"]) != sorted(methods):
+            raise tuning.ProtocolError(
+                f"{path}: this secret search runs {sorted(plan['methods'])}; rerun with "
+                "exactly those --methods (a new set of methods needs a new --runs_dir)")
+        return plan
+    import numpy as np
+    plan = plan_group(protocol, family, epsilon, methods, workers,
+                      secret_rng=np.random.default_rng())  # fresh OS entropy
+    records_lib.atomic_write_text(path, json.dumps(plan, indent=1) + "\n")
+    return plan
+
+
+RELEASE = "release.json"  # a secret search's statement, beside the one run it publishes
+
+
+def publish_selected(plans, private_records: Path, records: Path) -> list:
+    """Per group and method of finished secret searches: the winner's run record (and nothing
+    else of the search: not K, not the losers, not the trial's index) into
+    ``<records>/<group>/<method>-selected/`` with ``release.json``, the Papernot-Steinke
+    epsilon of releasing it (tuning.search_epsilon over the records' own events)."""
+    published = []
+    for plan in plans:
+        summary = tuning.search_summary(private_records / plan["group"])
+        law = plan["trials_law"]
+        for method in plan["methods"]:
+            s = summary[method]
+            if s["winner"] is None:
+                continue  # every trial diverged: nothing to release
+            source = private_records / plan["group"] / run_dir_name(method, s["winner"],
+                                                                   plan["seeds"][0])
+            target = records / plan["group"] / f"{method}-selected"
+            release = dict(
+                method=method, group=plan["group"], target_epsilon=plan["epsilon"],
+                delta=plan["delta"], law=dict(shape=law["shape"],
+                                              mean_random=law["mean_random"]),
+                epsilon=s["search_epsilon"],
+                statement=(
+                    f"({s['search_epsilon']:.4g}, {plan['delta']:g})-DP for this one released "
+                    "model, its configuration and its validation accuracy: the best on "
+                    "validation of trial 0 (the method's recipe) and J random trials drawn "
+                    "i.i.d. from the protocol's space, J ~ "
+                    f"{'Poisson' if tuning.shape_of(law) == float('inf') else 'TNB'}"
+                    f"(mean {law['mean_random']}, shape {law['shape']}) drawn from OS entropy "
+                    "and kept secret with every other trial (Papernot & Steinke, ICLR 2022; "
+                    "dp_accounting's RepeatAndSelectDpEvent). Releasing anything else of the "
+                    "search voids it."))
+            records_lib.atomic_write_text(target / records_lib.RECORD_NAME,
+                                          (source / records_lib.RECORD_NAME).read_text())
+            records_lib.atomic_write_text(target / RELEASE, json.dumps(release, indent=1) + "\n")
+            published.append(target)
+    return published
 
 
 def _lock_free_core(lock_dir: Path):
@@ -296,6 +368,14 @@ def foreign_protocol_reason(protocol: Path, records: Path, official_board: bool)
             "--official_board to publish into the committed one)")
 
 
+def secret_into_board_reason(records: Path):
+    """A secret search must not publish into the committed board (which prints every trial)."""
+    if Path(records).resolve() == (REPO / "leaderboard" / "records").resolve():
+        return ("--secret_trial_count publishes only each method's winner; give it a "
+                "--records=DIR of its own, not the committed board's (which prints every trial)")
+    return None
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="dpbench sweep", description=__doc__.split("\n")[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -323,6 +403,12 @@ def main(argv=None) -> int:
     parser.add_argument("--official_board", action="store_true",
                         help="let a protocol other than leaderboard/protocol.json publish into "
                              "leaderboard/records")
+    parser.add_argument("--secret_trial_count", action="store_true",
+                        help="deploy the search as Papernot & Steinke's theorem needs it: J "
+                             "from the protocol's law (its trials.deployment for a fixed K) "
+                             "drawn from OS entropy, trials drawn i.i.d., everything kept under "
+                             "--runs_dir/secret; only each method's winner is published, with "
+                             "release.json (its epsilon, K secret). No retrains.")
     parser.add_argument("--cost", action="store_true",
                         help="print the core-hours the runs under --runs_dir took and stop")
     args = parser.parse_args(argv)
@@ -330,12 +416,16 @@ def main(argv=None) -> int:
         sweep_cost.print_cost(args.runs_dir, args.cpus_per_trial)
         return 0
     reason = (foreign_protocol_reason(args.protocol, args.records, args.official_board)
+              or (args.secret_trial_count and secret_into_board_reason(args.records))
               or (args.address and unreachable_reason(args.address)))
     if reason:
         print(f"dpbench: error: {reason}", file=sys.stderr)
         return 2
+    private = args.runs_dir / "secret"
     try:
         protocol = tuning.load_protocol(args.protocol)
+        if args.secret_trial_count:
+            tuning.secret_law(protocol["trials"])  # refused early when there is none
         plans = []
         for family in args.families or list(protocol["families"]):
             if family not in protocol["families"]:
@@ -345,9 +435,15 @@ def main(argv=None) -> int:
             unknown = set(methods) - set(protocol["families"][family]["methods"])
             if unknown:
                 raise tuning.ProtocolError(f"{family} has no method(s) {sorted(unknown)}")
+            workers = 1 if args.address else args.cpus or os.cpu_count()
             for epsilon in args.epsilons or protocol["epsilons"]:
+                if args.secret_trial_count:
+                    plans.append(prepare_secret(protocol, family, epsilon, methods,
+                                                private / "records", workers))
+                    print(f"{plans[-1]['group']}: K drawn in secret", flush=True)
+                    continue
                 plans.append(prepare(protocol, family, epsilon, methods, args.records,
-                                     workers=1 if args.address else args.cpus or os.cpu_count()))
+                                     workers=workers))
                 print(f"{plans[-1]['group']}: K = {plans[-1]['num_trials']} trials per method",
                       flush=True)
     except tuning.ProtocolError as e:
@@ -364,6 +460,18 @@ def main(argv=None) -> int:
     else:
         ray.init(num_cpus=args.cpus or os.cpu_count(), include_dashboard=False)
     t0 = time.time()
+    if args.secret_trial_count:  # the trials publish privately; only winners leave
+        inside = argparse.Namespace(**{**vars(args), "records": private / "records"})
+        failed = run_phase("secret-search", _jobs(plans, "search", inside), args)
+        if not failed:
+            for target in publish_selected(plans, private / "records", args.records):
+                print(f"released {target}", flush=True)
+        for job, error in failed:
+            print(f"FAILED (secret): {job['group']}/{job['method']}: {retry_advice(error)}",
+                  file=sys.stderr)
+        print(f"secret search {'incomplete' if failed else 'done'} in {time.time() - t0:.0f}s",
+              flush=True)
+        return 1 if failed else 0
     failed = run_phase("search", _jobs(plans, "search", args), args)
     if not failed:
         failed = run_phase("seeds", _jobs(plans, "seeds", args,

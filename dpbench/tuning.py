@@ -58,6 +58,18 @@ def shape_of(trials: dict) -> float:
     return math.inf if shape in ("inf", math.inf) else float(shape)
 
 
+def secret_law(trials: dict) -> dict:
+    """The law a secret search draws J from: the protocol's own random law, or a fixed K's
+    declared ``deployment``; a fixed K without one is refused."""
+    if "fixed" not in trials:
+        return {k: trials[k] for k in ("shape", "mean_random")}
+    if "deployment" not in trials:
+        raise ProtocolError("a secret search draws J from a law, and this protocol's 'trials' "
+                            "is a fixed K with none: add \"deployment\": {\"shape\": \"inf\", "
+                            "\"mean_random\": 7} to it (or give the random law itself)")
+    return {k: trials["deployment"][k] for k in ("shape", "mean_random")}
+
+
 def group_name(family: str, epsilon: float, delta: float) -> str:
     return f"{family}__eps{float(epsilon)}__delta{delta:g}"
 

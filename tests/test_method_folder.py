@@ -82,6 +82,10 @@ def test_every_board_method_is_a_folder_with_its_three_files():
     (lambda f: (f / "method.json").write_text('{"paper": "x", "serch": {}}'), "only the keys"),
     (lambda f: (f / "method.json").write_text(
         '{"paper": "x", "search": {"*": {"spcae": {}}}}'), "search.\\* takes only"),
+    (lambda f: (f / "method.json").write_text('{"paper": "x", "claim_gain": [2, 1]}'),
+     "claim_gain"),
+    (lambda f: (f / "method.json").write_text('{"paper": "x", "claim_gain": {"one": [1, 2]}}'),
+     "claim_gain"),
 ])
 def test_a_broken_method_folder_is_refused_naming_the_file(tmp_path, damage, match):
     folder = make_method(tmp_path)

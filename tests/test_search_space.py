@@ -104,3 +104,21 @@ def test_the_test_protocol_loads(tmp_path):
     path.write_text(json.dumps(p))
     loaded = tuning.load_protocol(path)
     assert set(loaded["families"]["F"]["methods"]) == {"plain", "own", "renamed", "apart"}
+
+
+def test_a_secret_searchs_draws_are_iid_from_its_own_generator_and_inside_the_space():
+    """A secret search (Papernot & Steinke) draws each trial i.i.d. from OS entropy: two
+    generators give different trials, the public seed plays no part, values stay in range."""
+    p = protocol()
+    a = tuning.trial_bindings(p, "F", "G", "own", 32, rng=np.random.default_rng())
+    b = tuning.trial_bindings(p, "F", "G", "own", 32, rng=np.random.default_rng())
+    assert a[0] == b[0]  # trial 0 is the recipe
+    assert a[1:] != b[1:]
+    for trial in a[1:]:
+        v = _values(trial)
+        assert 0.02 <= float(v[CLIP]) <= 0.2 and v["train.batch_size"] in ("128", "256")
+        assert 0.1 * 0.999 <= float(v[LR]) * float(v[CLIP]) <= 1.6 * 1.001
+    with pytest.raises(tuning.ProtocolError, match="deployment"):
+        tuning.secret_law({"fixed": 8})
+    assert tuning.secret_law({"fixed": 8, "deployment": {"shape": "inf", "mean_random": 7}}) \
+        == {"shape": "inf", "mean_random": 7}

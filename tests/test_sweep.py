@@ -295,3 +295,46 @@ def test_a_failed_trial_says_whether_a_rerun_can_help():
     crashed = "RuntimeError: rs-t1-seed0 failed (exit -9); log: /x.log:\n"
     assert "a rerun fails the same way" in sweep.retry_advice(refused)
     assert "rerun the same command" in sweep.retry_advice(crashed)
+
+
+def test_a_secret_search_publishes_only_each_winner_with_its_papernot_steinke_epsilon(
+        tmp_path):
+    """--secret_trial_count: J and the trials stay under --runs_dir/secret; the records get one
+    run per method (the winner's, under a name without its trial index) and release.json, whose
+    epsilon is dp_accounting's RepeatAndSelectDpEvent after trial 0 for the deployment's law. A
+    rerun reuses the secret plan (drawing J again would void the bound)."""
+    protocol = json.loads(json.dumps(PROTOCOL))
+    family = protocol["families"]["digits__logistic"]
+    family["methods"] = {"dpsgd": family["methods"]["dpsgd"]}
+    protocol["trials"] = {"fixed": 5, "seed": 7,  # the public board's K, not the secret one
+                          "deployment": {"shape": 1, "mean_random": 1}}  # J = 1 surely
+    (tmp_path / "protocol.json").write_text(json.dumps(protocol))
+    command = [*sweep_command(tmp_path), "--secret_trial_count"]
+    done = subprocess.run(command, cwd=config.REPO_ROOT, capture_output=True, text=True,
+                          timeout=400)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    published = sorted(str(p.relative_to(tmp_path / "records"))
+                       for p in (tmp_path / "records").rglob("*") if p.is_file())
+    assert published == [f"{GROUP}/dpsgd-selected/release.json",
+                         f"{GROUP}/dpsgd-selected/run_record.json"]
+    plan_path = tmp_path / "runs" / "secret" / "records" / GROUP / sweep.SEARCH_FILE
+    plan = json.loads(plan_path.read_text())
+    assert plan["num_trials"] == 2 and plan["trials_law"] == {"shape": 1, "mean_random": 1}
+    release = json.loads((tmp_path / "records" / GROUP / "dpsgd-selected" /
+                          sweep.RELEASE).read_text())
+    record = json.loads((tmp_path / "records" / GROUP / "dpsgd-selected" /
+                         "run_record.json").read_text())
+    view, _ = accounting._rdp_view(accounting.event_from_json(record["dp_event"]))
+    rdp = rdp_privacy_accountant.RdpAccountant()
+    rdp.compose(dp_event.ComposedDpEvent([view, dp_event.RepeatAndSelectDpEvent(view, 1, 1)]))
+    assert release["epsilon"] == pytest.approx(rdp.get_epsilon(1e-5), rel=1e-3)
+    assert "num_trials" not in release and "kept secret" in release["statement"]
+    loaded = tuning.load_protocol(tmp_path / "protocol.json")
+    again = sweep.prepare_secret(loaded, "digits__logistic", 3.0, ["dpsgd"],
+                                 tmp_path / "runs" / "secret" / "records")
+    assert again == plan and json.loads(plan_path.read_text()) == plan  # not drawn again
+    with pytest.raises(tuning.ProtocolError, match="exactly those --methods"):
+        sweep.prepare_secret(loaded, "digits__logistic", 3.0, ["dpsgd", "rs"],
+                             tmp_path / "runs" / "secret" / "records")
+    assert sweep.secret_into_board_reason(config.REPO_ROOT / "leaderboard" / "records")
+    assert sweep.secret_into_board_reason(tmp_path / "records") is None

@@ -29,164 +29,23 @@ import hashlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 from dpbench import records as records_lib
-from dpbench import sweep_cost, tuning
+from dpbench import sweep_cost, sweep_secret, tuning
+# what the sweep refuses before it starts, and its advice on a failed trial (tests reach them
+# here)
+from dpbench.sweep_checks import (foreign_protocol_reason, retry_advice,  # noqa: F401
+                                  unreachable_reason)
+# what a search runs: search.json (re-exported: tests reach it here)
+from dpbench.sweep_plan import plan_group, prepare, support_event  # noqa: F401
 
 REPO = Path(__file__).resolve().parents[1]
 SEARCH_FILE, DIVERGED, run_dir_name = tuning.SEARCH_FILE, tuning.DIVERGED, tuning.run_dir_name
 LAUNCH_LOG = "launches.log"  # one line per dpbench run a trial started (tests read it)
-
-
-def support_event(gin_files, bindings) -> dict:
-    """The DpEvent (JSON) a run with these settings would have, from the compiler's own
-    accounting; nothing trains."""
-    from dpbench import accounting, config, train
-    config.parse_config(list(gin_files), list(bindings))
-    _, stages = train.pipeline_stages()
-    run = train.build_run(stages, config.TrainConfig(), accounting.Budget())
-    return accounting.event_to_json(run.compiled.run_event())
-
-
-def support_events(tasks, workers: int) -> list:
-    """support_event of each (gin_files, bindings), on ``workers`` fresh processes (each call
-    loads the data and calibrates sigma: seconds each, hundreds per board)."""
-    if workers <= 1 or len(tasks) <= 1:
-        return [support_event(*t) for t in tasks]
-    import concurrent.futures
-    import multiprocessing
-    with concurrent.futures.ProcessPoolExecutor(
-            max_workers=workers, mp_context=multiprocessing.get_context("spawn")) as pool:
-        return list(pool.map(support_event, *zip(*tasks)))
-
-
-def plan_group(protocol: dict, family: str, epsilon: float, methods, workers: int = 1,
-               secret_rng=None) -> dict:
-    """What search.json holds for one group (trial bindings and the support's events). With
-    ``secret_rng`` (a secret search): J from the deployment's law and i.i.d. draws, both from
-    that generator (OS entropy), never from the protocol's public seed."""
-    group = tuning.group_name(family, epsilon, protocol["delta"])
-    spec = protocol["families"][family]
-    if secret_rng is None:
-        law = dict(protocol["trials"])
-        num_random = tuning.draw_random_trials(law, group)
-    else:
-        law = tuning.secret_law(protocol["trials"])
-        num_random = tuning.sample_trial_count(secret_rng, float(law["mean_random"]),
-                                               tuning.shape_of(law))
-    plan = dict(group=group, family=family, epsilon=float(epsilon), delta=protocol["delta"],
-                trials_law=law, num_random=num_random,
-                num_trials=1 + num_random, seeds=list(protocol["seeds"]),
-                family_spec=spec, methods={})
-    budget_bindings = [f"EPSILON = {float(epsilon)}", f"DELTA = {protocol['delta']!r}"]
-    tasks = []
-    for method in methods:
-        gin_files = [spec["methods"][method]["gin_file"], *spec.get("gin_files", [])]
-        support = tuning.privacy_support(protocol, family, method)
-        tasks += [(method, gin_files, b) for b in support]
-        plan["methods"][method] = dict(
-            gin_files=gin_files, support=[],
-            trials=tuning.trial_bindings(protocol, family, group, method, num_random,
-                                         rng=secret_rng))
-        tuning.check_trials(method, gin_files, plan["methods"][method]["trials"],
-                            [*budget_bindings, "train.seed = 0"])
-    events = support_events([(g, [*b, *budget_bindings]) for _, g, b in tasks], workers)
-    for (method, _, bindings), event in zip(tasks, events):
-        plan["methods"][method]["support"].append(dict(bindings=bindings, event=event))
-    return plan
-
-
-def prepare(protocol: dict, family: str, epsilon: float, methods, records: Path,
-            workers: int = 1) -> dict:
-    """search.json of the group: written once; a rerun must find the same trials."""
-    group = tuning.group_name(family, epsilon, protocol["delta"])
-    path = records / group / SEARCH_FILE
-    if path.exists():
-        plan = json.loads(path.read_text())
-        missing = [m for m in methods if m not in plan["methods"]]
-        for method in set(methods) - set(missing):
-            fresh = tuning.trial_bindings(protocol, family, group, method, plan["num_random"])
-            if fresh != plan["methods"][method]["trials"] or plan["family_spec"] != \
-                    protocol["families"][family]:
-                raise tuning.ProtocolError(
-                    f"{path}: the protocol changed since this search began ({method}'s trials "
-                    "differ); restore the protocol, or start a new board in another --records")
-        if not missing:
-            return plan
-        extra = plan_group(protocol, family, epsilon, missing, workers)
-        plan["methods"].update(extra["methods"])
-    else:
-        plan = plan_group(protocol, family, epsilon, methods, workers)
-    # insertion order kept (methods as the protocol lists them: the order trials are queued)
-    records_lib.atomic_write_text(path, json.dumps(plan, indent=1) + "\n")
-    return plan
-
-
-def prepare_secret(protocol: dict, family: str, epsilon: float, methods, private: Path,
-                   workers: int = 1) -> dict:
-    """A secret search's plan, kept under ``private`` (never published): drawn once from OS
-    entropy; a rerun reuses it (drawing J again and keeping the better search would void the
-    bound)."""
-    group = tuning.group_name(family, epsilon, protocol["delta"])
-    path = private / group / SEARCH_FILE
-    if path.exists():
-        plan = json.loads(path.read_text())
-        if sorted(plan["methods"]) != sorted(methods):
-            raise tuning.ProtocolError(
-                f"{path}: this secret search runs {sorted(plan['methods'])}; rerun with "
-                "exactly those --methods (a new set of methods needs a new --runs_dir)")
-        return plan
-    import numpy as np
-    plan = plan_group(protocol, family, epsilon, methods, workers,
-                      secret_rng=np.random.default_rng())  # fresh OS entropy
-    records_lib.atomic_write_text(path, json.dumps(plan, indent=1) + "\n")
-    return plan
-
-
-RELEASE = "release.json"  # a secret search's statement, beside the one run it publishes
-
-
-def publish_selected(plans, private_records: Path, records: Path) -> list:
-    """Per group and method of finished secret searches: the winner's run record (and nothing
-    else of the search: not K, not the losers, not the trial's index) into
-    ``<records>/<group>/<method>-selected/`` with ``release.json``, the Papernot-Steinke
-    epsilon of releasing it (tuning.search_epsilon over the records' own events)."""
-    published = []
-    for plan in plans:
-        summary = tuning.search_summary(private_records / plan["group"])
-        law = plan["trials_law"]
-        for method in plan["methods"]:
-            s = summary[method]
-            if s["winner"] is None:
-                continue  # every trial diverged: nothing to release
-            source = private_records / plan["group"] / run_dir_name(method, s["winner"],
-                                                                   plan["seeds"][0])
-            target = records / plan["group"] / f"{method}-selected"
-            release = dict(
-                method=method, group=plan["group"], target_epsilon=plan["epsilon"],
-                delta=plan["delta"], law=dict(shape=law["shape"],
-                                              mean_random=law["mean_random"]),
-                epsilon=s["search_epsilon"],
-                statement=(
-                    f"({s['search_epsilon']:.4g}, {plan['delta']:g})-DP for this one released "
-                    "model, its configuration and its validation accuracy: the best on "
-                    "validation of trial 0 (the method's recipe) and J random trials drawn "
-                    "i.i.d. from the protocol's space, J ~ "
-                    f"{'Poisson' if tuning.shape_of(law) == float('inf') else 'TNB'}"
-                    f"(mean {law['mean_random']}, shape {law['shape']}) drawn from OS entropy "
-                    "and kept secret with every other trial (Papernot & Steinke, ICLR 2022; "
-                    "dp_accounting's RepeatAndSelectDpEvent). Releasing anything else of the "
-                    "search voids it."))
-            records_lib.atomic_write_text(target / records_lib.RECORD_NAME,
-                                          (source / records_lib.RECORD_NAME).read_text())
-            records_lib.atomic_write_text(target / RELEASE, json.dumps(release, indent=1) + "\n")
-            published.append(target)
-    return published
 
 
 def _lock_free_core(lock_dir: Path):
@@ -328,55 +187,23 @@ def run_phase(name: str, jobs: list, args) -> list:
     return [(r.config["job"], str(r.error)) for r in results if r.error is not None]
 
 
-def retry_advice(error: str) -> str:
-    """Whether rerunning can help a failed trial: a dpbench run that exits 2 refused its input
-    (settings, a stage's declaration), which a rerun meets again; anything else (a crash, a
-    kill, a lost worker) may pass on a rerun, which resumes the trial."""
-    if "(exit 2)" in error:
-        return ("its run refused its input (exit 2): a rerun fails the same way; fix the "
-                "trial's settings or stage (its log says what), then rerun")
-    return "rerun the same command to retry it (the trial resumes from its checkpoint)"
+def _run_secret(plans, args, private: Path, t0: float) -> int:
+    """The secret searches' trials on Ray Tune (records kept under ``private``), then each
+    method's winner published into ``args.records``."""
+    inside = argparse.Namespace(**{**vars(args), "records": private / "records"})
+    failed = run_phase("secret-search", _jobs(plans, "search", inside), args)
+    if not failed:
+        for target in sweep_secret.publish_selected(plans, private / "records", args.records):
+            print(f"released {target}", flush=True)
+    for job, error in failed:
+        print(f"FAILED (secret): {job['group']}/{job['method']}: {retry_advice(error)}",
+              file=sys.stderr)
+    print(f"secret search {'incomplete' if failed else 'done'} in {time.time() - t0:.0f}s",
+          flush=True)
+    return 1 if failed else 0
 
 
-def unreachable_reason(address: str, timeout: float = 30.0):
-    """None when a TCP connection to the Ray address's host:port opens within ``timeout``
-    seconds, else a one-line reason: ray.init would otherwise retry for minutes with warnings
-    only. ``auto`` (a cluster on this machine found by Ray itself) is not checked."""
-    if address == "auto":
-        return None
-    host, _, port = address.split("://")[-1].rpartition(":")
-    if not host or not port.isdigit():
-        return f"--address={address!r} is not host:port (or ray://host:port, or auto)"
-    try:
-        socket.create_connection((host, int(port)), timeout=timeout).close()
-    except OSError as e:
-        return (f"no Ray cluster answers at --address={address} ({e.strerror or e}); start one "
-                "with `ray start --head` there, or leave --address out to run Ray locally")
-    return None
-
-
-def foreign_protocol_reason(protocol: Path, records: Path, official_board: bool):
-    """None unless a protocol other than the board's own would publish into the committed
-    board's records (leaderboard/records, the default --records): a user's own search must not
-    mix its runs into the official board by leaving a flag out."""
-    board = REPO / "leaderboard"
-    if (official_board or Path(records).resolve() != (board / "records").resolve()
-            or Path(protocol).resolve() == (board / "protocol.json").resolve()):
-        return None
-    return (f"--protocol={protocol} is not the board's own, but --records is the committed "
-            f"board's ({board / 'records'}); pass --records=DIR for your own board (or "
-            "--official_board to publish into the committed one)")
-
-
-def secret_into_board_reason(records: Path):
-    """A secret search must not publish into the committed board (which prints every trial)."""
-    if Path(records).resolve() == (REPO / "leaderboard" / "records").resolve():
-        return ("--secret_trial_count publishes only each method's winner; give it a "
-                "--records=DIR of its own, not the committed board's (which prints every trial)")
-    return None
-
-
-def main(argv=None) -> int:
+def _parser():
     parser = argparse.ArgumentParser(prog="dpbench sweep", description=__doc__.split("\n")[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--protocol", type=Path, default=REPO / "leaderboard" / "protocol.json",
@@ -411,12 +238,16 @@ def main(argv=None) -> int:
                              "release.json (its epsilon, K secret). No retrains.")
     parser.add_argument("--cost", action="store_true",
                         help="print the core-hours the runs under --runs_dir took and stop")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv=None) -> int:
+    args = _parser().parse_args(argv)
     if args.cost:
         sweep_cost.print_cost(args.runs_dir, args.cpus_per_trial)
         return 0
     reason = (foreign_protocol_reason(args.protocol, args.records, args.official_board)
-              or (args.secret_trial_count and secret_into_board_reason(args.records))
+              or (args.secret_trial_count and sweep_secret.into_board_reason(args.records))
               or (args.address and unreachable_reason(args.address)))
     if reason:
         print(f"dpbench: error: {reason}", file=sys.stderr)
@@ -438,8 +269,8 @@ def main(argv=None) -> int:
             workers = 1 if args.address else args.cpus or os.cpu_count()
             for epsilon in args.epsilons or protocol["epsilons"]:
                 if args.secret_trial_count:
-                    plans.append(prepare_secret(protocol, family, epsilon, methods,
-                                                private / "records", workers))
+                    plans.append(sweep_secret.prepare_secret(protocol, family, epsilon, methods,
+                                                             private / "records", workers))
                     print(f"{plans[-1]['group']}: K drawn in secret", flush=True)
                     continue
                 plans.append(prepare(protocol, family, epsilon, methods, args.records,
@@ -461,17 +292,7 @@ def main(argv=None) -> int:
         ray.init(num_cpus=args.cpus or os.cpu_count(), include_dashboard=False)
     t0 = time.time()
     if args.secret_trial_count:  # the trials publish privately; only winners leave
-        inside = argparse.Namespace(**{**vars(args), "records": private / "records"})
-        failed = run_phase("secret-search", _jobs(plans, "search", inside), args)
-        if not failed:
-            for target in publish_selected(plans, private / "records", args.records):
-                print(f"released {target}", flush=True)
-        for job, error in failed:
-            print(f"FAILED (secret): {job['group']}/{job['method']}: {retry_advice(error)}",
-                  file=sys.stderr)
-        print(f"secret search {'incomplete' if failed else 'done'} in {time.time() - t0:.0f}s",
-              flush=True)
-        return 1 if failed else 0
+        return _run_secret(plans, args, private, t0)
     failed = run_phase("search", _jobs(plans, "search", args), args)
     if not failed:
         failed = run_phase("seeds", _jobs(plans, "seeds", args,

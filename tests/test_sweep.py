@@ -1,6 +1,7 @@
 """``dpbench sweep`` end to end on a local Ray instance: a tiny search (digits, 2 methods, K = 2)
 interrupted and restored, its published records, and the search's epsilon recomputed from them."""
 
+import argparse
 import json
 import math
 import os
@@ -16,7 +17,7 @@ import ray  # noqa: F401  (the [sweep] extra: CI installs it, so this test never
 from dp_accounting import dp_event
 from dp_accounting.rdp import rdp_privacy_accountant
 
-from dpbench import accounting, config, sweep, sweep_cost, tuning
+from dpbench import accounting, config, sweep, sweep_cost, sweep_secret, tuning
 
 GROUP = "digits__logistic__eps3.0__delta1e-05"
 RECIPE = ["train.epochs = 1", "train.batch_size = 256"]
@@ -309,10 +310,18 @@ def test_a_secret_search_publishes_only_each_winner_with_its_papernot_steinke_ep
     protocol["trials"] = {"fixed": 5, "seed": 7,  # the public board's K, not the secret one
                           "deployment": {"shape": 1, "mean_random": 1}}  # J = 1 surely
     (tmp_path / "protocol.json").write_text(json.dumps(protocol))
-    command = [*sweep_command(tmp_path), "--secret_trial_count"]
-    done = subprocess.run(command, cwd=config.REPO_ROOT, capture_output=True, text=True,
-                          timeout=400)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    args = sweep._parser().parse_args(sweep_command(tmp_path)[3:] + ["--secret_trial_count"])
+    assert sweep.main([*sweep_command(tmp_path)[3:], "--secret_trial_count",
+                       "--prepare_only"]) == 0  # the plan, drawn in secret; nothing published
+    assert not (tmp_path / "records").exists()
+    private = tmp_path / "runs" / "secret"
+    plans = [json.loads((private / "records" / GROUP / sweep.SEARCH_FILE).read_text())]
+    inside = argparse.Namespace(**{**vars(args), "records": private / "records"})
+    for job in sweep._jobs(plans, "search", inside):  # what run_secret's Tune phase runs,
+        subprocess.run([sys.executable, "-c", "import json, sys; from dpbench import sweep; "
+                        "sweep.run_job(json.loads(sys.argv[1]))", json.dumps(job)],
+                       cwd=config.REPO_ROOT, check=True, timeout=300)  # in a JAX-free process
+    sweep_secret.publish_selected(plans, private / "records", tmp_path / "records")
     published = sorted(str(p.relative_to(tmp_path / "records"))
                        for p in (tmp_path / "records").rglob("*") if p.is_file())
     assert published == [f"{GROUP}/dpsgd-selected/release.json",
@@ -321,7 +330,7 @@ def test_a_secret_search_publishes_only_each_winner_with_its_papernot_steinke_ep
     plan = json.loads(plan_path.read_text())
     assert plan["num_trials"] == 2 and plan["trials_law"] == {"shape": 1, "mean_random": 1}
     release = json.loads((tmp_path / "records" / GROUP / "dpsgd-selected" /
-                          sweep.RELEASE).read_text())
+                          sweep_secret.RELEASE).read_text())
     record = json.loads((tmp_path / "records" / GROUP / "dpsgd-selected" /
                          "run_record.json").read_text())
     view, _ = accounting._rdp_view(accounting.event_from_json(record["dp_event"]))
@@ -330,11 +339,97 @@ def test_a_secret_search_publishes_only_each_winner_with_its_papernot_steinke_ep
     assert release["epsilon"] == pytest.approx(rdp.get_epsilon(1e-5), rel=1e-3)
     assert "num_trials" not in release and "kept secret" in release["statement"]
     loaded = tuning.load_protocol(tmp_path / "protocol.json")
-    again = sweep.prepare_secret(loaded, "digits__logistic", 3.0, ["dpsgd"],
+    again = sweep_secret.prepare_secret(loaded, "digits__logistic", 3.0, ["dpsgd"],
                                  tmp_path / "runs" / "secret" / "records")
     assert again == plan and json.loads(plan_path.read_text()) == plan  # not drawn again
     with pytest.raises(tuning.ProtocolError, match="exactly those --methods"):
-        sweep.prepare_secret(loaded, "digits__logistic", 3.0, ["dpsgd", "rs"],
+        sweep_secret.prepare_secret(loaded, "digits__logistic", 3.0, ["dpsgd", "rs"],
                              tmp_path / "runs" / "secret" / "records")
-    assert sweep.secret_into_board_reason(config.REPO_ROOT / "leaderboard" / "records")
-    assert sweep.secret_into_board_reason(tmp_path / "records") is None
+    assert sweep_secret.into_board_reason(config.REPO_ROOT / "leaderboard" / "records")
+    assert sweep_secret.into_board_reason(tmp_path / "records") is None
+
+
+def _paired_board_records(finished_sweep, tmp_path, deployment=True):
+    """The tiny sweep's records with two more retrain seeds of each winner (copies of seed 1
+    with their seed and test accuracy changed): a finished paired group with 3 retrains."""
+    tmp, *_ = finished_sweep
+    records = tmp_path / "records"
+    shutil.copytree(tmp / "records", records)
+    group = records / GROUP
+    plan = json.loads((group / sweep.SEARCH_FILE).read_text())
+    plan["seeds"] = [0, 1, 2, 3]
+    if deployment:
+        plan["trials_law"] = {"fixed": 2, "seed": 7,
+                              "deployment": {"shape": "inf", "mean_random": 1}}
+    (group / sweep.SEARCH_FILE).write_text(json.dumps(plan))
+    rng = np.random.default_rng()
+    for method, s in tuning.search_summary(group).items():
+        seed1 = group / f"{method}-t{s['winner']}-seed1" / "run_record.json"
+        for seed in (2, 3):
+            record = json.loads(seed1.read_text())
+            record["seed"] = seed
+            record["test_accuracy"] = float(np.clip(record["test_accuracy"]
+                                                    + rng.normal(0, 0.01), 0, 1))
+            target = group / f"{method}-t{s['winner']}-seed{seed}" / "run_record.json"
+            target.parent.mkdir()
+            target.write_text(json.dumps(record))
+    return records, group
+
+
+def test_a_paired_group_gets_v3_verdicts_intervals_both_epsilons_and_a_forest_plot(
+        finished_sweep, tmp_path):
+    from dpbench import board
+    from dpbench.board import paired
+    records, group = _paired_board_records(finished_sweep, tmp_path)
+    plan = json.loads((group / sweep.SEARCH_FILE).read_text())
+    assert paired.is_paired(plan)  # trial 1 of dpsgd and rs binds the same shared draws
+    unpaired = json.loads(json.dumps(plan))
+    lr = "optimize.optax.learning_rate"
+    unpaired["methods"]["rs"]["trials"][1] = [
+        f"{lr} = 9.99" if b.startswith(lr) else b for b in plan["methods"]["rs"]["trials"][1]]
+    assert not paired.is_paired(unpaired)
+    table = board.build(records, tmp_path / "a", claims_json=config.REPO_ROOT / "leaderboard" /
+                        "claims.json")
+    assert [r["seeds"] for r in table[GROUP]] == [3, 3]  # the selected seed 0 left out
+    text = (tmp_path / "a" / "README.md").read_text()
+    assert text.index("## Headline") < text.index("| method |")  # before any table
+    assert (tmp_path / "a" / "plots" / f"{GROUP}__forest.svg").exists()
+    analysis = paired.analyse_group(group, {})
+    rs = analysis["methods"]["rs"]
+    assert rs["interval"]["low"] <= rs["interval"]["gain"] <= rs["interval"]["high"]
+    assert rs["verdict"] == ("better" if rs["interval"]["low"] > 0 else "worse"
+                             if rs["interval"]["high"] < 0 else "tie")
+    assert rs["interval"]["seed_df"] > 0 and len(rs["retrains"]) == 3  # seeds 1-3, not 0
+    # everything published for rs (its 2 trials and 3 retrains), composed by dp_accounting's
+    # PLD accountant without the board's folding of identical events
+    events = [json.loads(p.read_text())["dp_event"] for p in group.glob("rs-*/run_record.json")]
+    assert len(events) == 5
+    pld = accounting.make_accountant(accounting.Budget(epsilon=1.0, delta=1e-5,
+                                                       accountant="pld"))
+    pld.compose(dp_event.ComposedDpEvent([accounting.event_from_json(e) for e in events]))
+    assert rs["published_epsilon"] == pytest.approx(pld.get_epsilon(1e-5), rel=2e-2)
+    assert rs["published_epsilon"] > rs["deployment_epsilon"]  # 5 runs vs mean K 2, secret
+    assert f"{rs['published_epsilon']:.3f}" in text and f"{rs['deployment_epsilon']:.3f}" in text
+    assert "Baseline check" in text and "**weaker**" not in text
+    board.build(records, tmp_path / "b", claims_json=config.REPO_ROOT / "leaderboard" /
+                "claims.json")
+    assert (tmp_path / "b" / "README.md").read_text() == text
+
+
+def test_the_baseline_check_fires_on_a_recorded_stronger_dp_sgd(finished_sweep, tmp_path):
+    """A made-up earlier board whose DP-SGD scored far higher on 2 seeds: the group's
+    verdicts say their baseline is weaker than what DP-SGD is known to reach."""
+    from dpbench import board
+    records, group = _paired_board_records(finished_sweep, tmp_path, deployment=False)
+    history = tmp_path / "history"
+    base = next(group.glob("dpsgd-t0-seed0")) / "run_record.json"
+    for seed, acc in ((0, 0.995), (1, 0.996)):
+        record = json.loads(base.read_text())
+        record.update(seed=seed, test_accuracy=acc, ema_decay=0.5)  # another configuration
+        target = history / GROUP / f"old-seed{seed}" / "run_record.json"
+        target.parent.mkdir(parents=True)
+        target.write_text(json.dumps(record))
+    board.build(records, tmp_path / "a", history=[history])
+    text = (tmp_path / "a" / "README.md").read_text()
+    assert "**weaker**" in text and "99.55" in text
+    assert "n/a" in text  # no deployment law: no secret-K epsilon

@@ -4,28 +4,37 @@ byte-identical from the same inputs."""
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
 
 from dpbench import methods
 from dpbench import records as records_lib
-from dpbench.board.plots import plot_expected_best, plot_groups
+from dpbench import tuning
+from dpbench.board import paired
+from dpbench.board.plots import plot_expected_best, plot_forest, plot_groups
 from dpbench.board.render import render_html, render_markdown
-from dpbench.board.results import (LeaderboardError, load_audits, load_perf, load_records,
-                                   searches_in_progress, summarize)
-from dpbench.board.verdicts import v1_gains, verdict_tables, verdicts
+from dpbench.board.results import (GROUP_PATTERN, LeaderboardError, load_audits, load_perf,
+                                   load_records, searches_in_progress, summarize)
+from dpbench.board.verdicts import (baseline_text, best_recorded_baseline, v1_gains,
+                                    v3_table, verdict_tables, verdicts)
 
 
 def build(records_dir, out_dir, audits_dir=None, perf_json=None, claims_json=None,
-          v1_records=None, methods_dirs=(methods.BOARD_METHODS,)) -> dict:
+          v1_records=None, methods_dirs=(methods.BOARD_METHODS,), history=(),
+          earlier_records=None) -> dict:
     """Validates the records and writes README.md, index.html and plots/ into ``out_dir``.
     Each method's paper and claim come from its folder under ``methods_dirs``; ``claims_json``
-    adds the hand-written 'what changed' sentences of board groups."""
+    adds the hand-written 'what changed' sentences of board groups. A group searched with
+    paired trials gets board v3's verdicts (``paired.analyse_group``) and a forest plot at the
+    top; ``history`` (earlier boards' record folders) feeds its baseline check and
+    ``earlier_records`` (the previous board's) the gains it is compared with."""
     out_dir = Path(out_dir)
     running = searches_in_progress(Path(records_dir))
     finished = [r for r in load_records(Path(records_dir)) if r["_group"] not in running]
-    table = summarize(finished, load_audits(audits_dir), out_dir, load_perf(perf_json))
+    table = summarize(finished, load_audits(audits_dir), out_dir, load_perf(perf_json),
+                      selection_seed_out=_paired_groups(finished))
     plots = plot_groups(table, out_dir)
     trial_plots = plot_expected_best(table, out_dir)
     note_path = Path(records_dir) / "NOTE.md"  # the board's caveats, part of its inputs
@@ -37,12 +46,51 @@ def build(records_dir, out_dir, audits_dir=None, perf_json=None, claims_json=Non
                 in sorted(running.items())) + ".\n"
     claims = dict(what_changed=json.loads(Path(claims_json).read_text()).get(
         "what_changed", {}) if claims_json else {}, methods=methods.claims(methods_dirs))
-    tables = verdict_tables(verdicts(table, claims, v1_gains(v1_records)))
-    records_lib.atomic_write_text(out_dir / "README.md",
-                                  render_markdown(table, plots, note, trial_plots, tables))
-    records_lib.atomic_write_text(out_dir / "index.html",
-                                  render_html(table, plots, note, trial_plots, tables))
+    headline = _paired_verdicts(table, finished, history, claims, out_dir, earlier_records)
+    v2_table = {g: rows for g, rows in table.items() if g not in {h["group"] for h in headline}}
+    tables = verdict_tables(verdicts(v2_table, claims, v1_gains(v1_records)))
+    records_lib.atomic_write_text(out_dir / "README.md", render_markdown(
+        table, plots, note, trial_plots, tables, headline))
+    records_lib.atomic_write_text(out_dir / "index.html", render_html(
+        table, plots, note, trial_plots, tables, headline))
     return table
+
+
+def _paired_groups(finished) -> set:
+    """The finished groups whose search.json pairs its trials and retrains each winner on 2 or
+    more seeds besides the selected one (board v3's: the seed part of an interval needs two)."""
+    out = set()
+    for group, group_dir in {r["_group"]: Path(r["_path"]).parent.parent
+                             for r in finished}.items():
+        plan_path = group_dir / tuning.SEARCH_FILE
+        if not plan_path.exists():
+            continue
+        plan = json.loads(plan_path.read_text())
+        if len(plan["seeds"]) >= 3 and paired.is_paired(plan):
+            out.add(group)
+    return out
+
+
+def _paired_verdicts(table, finished, history, claims, out_dir, earlier_records) -> list:
+    """[{group, forest, baseline, table}] for every finished group whose search is paired."""
+    group_dirs = {r["_group"]: Path(r["_path"]).parent.parent for r in finished}
+    known = list(finished) + [r for d in history for r in load_records(Path(d))]
+    earlier = v1_gains(earlier_records)
+    out = []
+    for group in sorted(_paired_groups(finished) & set(table)):
+        m = GROUP_PATTERN.match(group)
+        best = best_recorded_baseline(known, m["dataset"], m["model"], float(m["eps"]),
+                                      float(m["delta"]))
+        if best is not None:  # named relative to the board: the same bytes on every checkout
+            best["where"] = os.path.relpath(best["where"], out_dir.resolve())
+        try:
+            analysis = paired.analyse_group(group_dirs[group], claims["methods"], best)
+        except (tuning.SearchRecordError, ValueError) as e:
+            raise LeaderboardError(f"{group}: {e}") from e
+        out.append(dict(group=group, forest=plot_forest(analysis, out_dir),
+                        baseline=baseline_text(analysis["baseline"]),
+                        table=v3_table(analysis, earlier), analysis=analysis))
+    return out
 
 
 BOARD = methods.REPO_ROOT / "leaderboard"
@@ -65,6 +113,12 @@ def resolve_paths(args) -> str | None:
             return f"--{name}={given}: no such file or folder"
     if args.v1_records and Path(args.v1_records).resolve() == Path(args.records).resolve():
         args.v1_records = None
+    # board v3's baseline check reads every earlier board's records; its gains sit beside v2's
+    archives = sorted((BOARD / "archive").glob("*/records")) if official else []
+    args.history = [str(p) for p in archives
+                    if p.resolve() != Path(args.records).resolve()]
+    v2 = BOARD / "archive" / "v2" / "records"
+    args.earlier_records = str(v2) if official and v2.is_dir() else None
     return None
 
 
@@ -103,7 +157,8 @@ def main(argv=None) -> int:
         return 2
     try:
         table = build(args.records, args.out, args.audits, args.perf, args.claims,
-                      args.v1_records, [*args.methods_dirs, methods.BOARD_METHODS])
+                      args.v1_records, [*args.methods_dirs, methods.BOARD_METHODS],
+                      history=args.history, earlier_records=args.earlier_records)
     except (LeaderboardError, methods.MethodError) as e:
         print(f"dpbench: error: {e}", file=sys.stderr)
         return 2

@@ -83,3 +83,49 @@ def plot_expected_best(table: dict, out_dir: Path) -> dict:
                                group), out_dir / "plots" / f"{group}__trials.svg")
         out[group] = f"plots/{group}__trials.svg"
     return out
+
+
+def plot_forest(analysis: dict, out_dir: Path) -> str:
+    """One SVG per paired (v3) group: each method's gain over DP-SGD (points, the mean over the
+    winners' retrain seeds) with its 95% interval including the search, a vertical line at 0,
+    and the paper's claimed range as a shaded band on the method's row (an open end runs to the
+    axis). Returns the plot's path relative to ``out_dir``."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    matplotlib.rcParams["svg.hashsalt"] = "dpbench"
+    rows = sorted(((m, r) for m, r in analysis["methods"].items() if "interval" in r),
+                  key=lambda item: item[0], reverse=True)
+    ends = [100 * v for _, r in rows for v in (r["interval"]["low"], r["interval"]["high"])]
+    ends += [v for _, r in rows for v in (r["claim_range"] or ()) if v is not None]
+    lo, hi = min(ends + [0.0]) - 0.5, max(ends + [0.0]) + 0.5
+    fig, ax = plt.subplots(figsize=(7, 0.45 * len(rows) + 1.4))
+    labelled = False
+    for y, (method, r) in enumerate(rows):
+        claim = r["claim_range"]
+        if claim is not None:  # a point claim gets a visible sliver
+            left = lo if claim[0] is None else claim[0]
+            right = hi if claim[1] is None else claim[1]
+            ax.fill_betweenx([y - 0.3, y + 0.3], left, max(right, left + 0.04),
+                             color="tab:orange", alpha=0.3, linewidth=0,
+                             label=None if labelled else "paper's claim")
+            labelled = True
+        interval = r["interval"]
+        gain = 100 * interval["gain"]
+        color = {"better": "tab:green", "worse": "tab:red"}.get(r["verdict"], "tab:gray")
+        ax.errorbar(gain, y, xerr=[[gain - 100 * interval["low"]],
+                                   [100 * interval["high"] - gain]],
+                    fmt="o", color=color, capsize=4)
+    ax.axvline(0.0, color="black", linewidth=0.8)
+    ax.set_yticks(range(len(rows)), [m for m, _ in rows])
+    ax.set_xlim(lo, hi)
+    ax.set_ylim(-0.7, len(rows) - 0.3)
+    title = analysis["group"]
+    if analysis["baseline"]["status"] == "weaker":
+        title += " (DP-SGD row below its best recorded configuration)"
+    labels = ("gain over DP-SGD, test accuracy points (95% interval incl. search)", "", title)
+    ax.set_xlabel(labels[0])
+    ax.set_title(title.replace("__", ", "))
+    fig.tight_layout()  # a short figure: keep the x label and title inside it
+    _finish_plot(fig, ax, labels, out_dir / "plots" / f"{analysis['group']}__forest.svg")
+    return f"plots/{analysis['group']}__forest.svg"

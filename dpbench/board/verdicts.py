@@ -100,3 +100,41 @@ def verdict_tables(verdict_rows: dict) -> list:
                   v["changed"] or "—"] for v in rows]
         tables.append((f"Verdicts: {group}", cells))
     return tables
+
+
+V3_COLUMNS = ("method", "paper", "paper's claim", "gain, seeds 1-4", "95% interval (incl. search)",
+              "verdict", "paired win rate vs DP-SGD", "ε, K secret (deployment)",
+              "ε, all published", "earlier board's gain")
+
+
+def baseline_text(check: dict) -> str:
+    """The group's baseline check as one sentence."""
+    if check["best"] is None:
+        return "Baseline check: no earlier DP-SGD configuration with 2+ seeds is recorded."
+    head = (f"Baseline check: DP-SGD's row {100 * check['row']:.2f} (its retrain seeds) against "
+            f"the best DP-SGD configuration recorded under any protocol, "
+            f"{100 * check['best']:.2f} ({check['best_label']}; {check['best_where']}): ")
+    if check["status"] == "weaker":
+        return head + ("**weaker** (a 95% Welch interval lies below zero): every verdict of "
+                       "this group is against a baseline below what DP-SGD is known to reach.")
+    return head + "ok (not significantly below it)."
+
+
+def v3_table(analysis: dict, earlier: dict) -> tuple:
+    """(title, rows of cells) of one paired group's verdicts; ``earlier``: (model, epsilon,
+    method) -> (gain, s.e.) of the previous board (v2_gains)."""
+    match = GROUP_PATTERN.match(analysis["group"])
+    cells = []
+    for method, r in sorted(analysis["methods"].items()):
+        if "interval" not in r:
+            continue
+        i = r["interval"]
+        before = earlier.get((match["model"], float(match["eps"]), method))
+        cells.append([
+            method, r["claim"].get("paper", "n/a"), r["claim"].get("claim", "n/a"),
+            f"{100 * i['gain']:+.2f}", f"[{100 * i['low']:+.2f}, {100 * i['high']:+.2f}]",
+            r["verdict"], "n/a" if r["win_rate"] is None else f"{r['win_rate']:.2f}",
+            "n/a" if r["deployment_epsilon"] is None else f"{r['deployment_epsilon']:.3f}",
+            f"{r['published_epsilon']:.3f}",
+            "n/a" if before is None else gain_text(*before)])
+    return (f"Verdicts: {analysis['group']}", cells)

@@ -1,0 +1,122 @@
+"""Board v3's verdicts, for a group searched with paired trials: per method, its gain over DP-SGD
+with an interval that includes the search, the verdict word, the paired win rate, both epsilons;
+per group, the baseline check.
+
+A group qualifies when its ``search.json`` pairs its trials: every method that keeps a shared
+knob binds the same value for it in trial j (``is_paired`` checks the bindings themselves, so a
+group is never taken for paired on a flag's word). Otherwise the v2 verdicts apply.
+
+What is read, per method (all from published records):
+- the K search trials on seed 0: validation (selects) and test (what the selection gain reads);
+- the winner's retrains on the other seeds: the reported accuracy and the seed part (seed 0, the
+  selected seed, is left out: its accuracy is biased upward by the selection);
+- every run's DpEvent: the epsilon of everything the board publishes for the method (PLD
+  composition of the K trials and the retrains; ``tuning.published_epsilon``), beside the
+  Papernot-Steinke epsilon of a deployment that keeps K secret (``tuning.search_summary``).
+The bootstrap's generator is seeded from the group and method names: the same records give the
+same bytes.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+from dp_accounting import dp_event
+
+from dpbench import accounting, methods, search_space, tuning
+from dpbench.board import uncertainty
+from dpbench.board.results import BASELINE, GROUP_PATTERN
+
+DRAWS = 4000  # bootstrap draws per gain: the interval's ends move by < 0.05 points between seeds
+
+
+def is_paired(plan: dict) -> bool:
+    """True when trial j >= 1 of every method binds the same values of the shared knobs it
+    keeps (at least two methods, at least one random trial, at least one shared knob)."""
+    protocol = {"families": {plan["family"]: plan["family_spec"]}}
+    names = sorted(plan["methods"])
+    if len(names) < 2 or plan["num_trials"] < 2 or not plan["family_spec"].get("space"):
+        return False
+    for j in range(1, plan["num_trials"]):
+        draws = [search_space.shared_draw(plan["methods"][m]["trials"][j], protocol,
+                                          plan["family"], m) for m in names]
+        for a in draws:
+            for b in draws:
+                if any(a[k] != b[k] for k in set(a) & set(b)):
+                    return False
+    return True
+
+
+def _outcome(group_dir: Path, method: str, trial: int, seed) -> dict | None:
+    record, _ = tuning._trial_outcome(group_dir, method, trial, seed)
+    return record
+
+
+def method_runs(group_dir: Path, plan: dict, method: str, winner: int) -> dict:
+    """validation/test of the K seed-0 trials (None: diverged), the winner's retrain test
+    accuracies, and the DpEvents of every published run."""
+    seeds = plan["seeds"]
+    trials = [_outcome(group_dir, method, t, seeds[0]) for t in range(plan["num_trials"])]
+    retrains = [_outcome(group_dir, method, winner, s) for s in seeds[1:]]
+    if any(r is None for r in retrains):
+        raise tuning.SearchRecordError(f"{group_dir}: a retrain of {method}'s winner diverged; "
+                                       "its seed part is undefined")
+    return dict(validation=[None if r is None else r["validation_accuracy"] for r in trials],
+                test=[None if r is None else r["test_accuracy"] for r in trials],
+                retrains=[r["test_accuracy"] for r in retrains],
+                events=[r["dp_event"] for r in trials + retrains if r is not None])
+
+
+def composed_event(events_json) -> dp_event.DpEvent:
+    """The composition of the runs' events, identical events folded into one self-composition
+    (sorted: the same runs give the same event, whatever their order)."""
+    counts = Counter(json.dumps(e, sort_keys=True) for e in events_json)
+    return dp_event.ComposedDpEvent([
+        dp_event.SelfComposedDpEvent(accounting.event_from_json(json.loads(e)), n)
+        for e, n in sorted(counts.items())])
+
+
+def published_epsilon(events_json, delta: float) -> float:
+    return tuning.published_epsilon([composed_event(events_json)], delta)
+
+
+def analyse_group(group_dir, claims: dict, baseline_best=None, draws: int = DRAWS) -> dict:
+    """The v3 verdicts of one finished paired group: {"methods": {method: {...}}, "baseline":
+    baseline_check's dict, "paired": True}."""
+    from dpbench.board.verdicts import baseline_check
+    group_dir = Path(group_dir)
+    plan = json.loads((group_dir / tuning.SEARCH_FILE).read_text())
+    summary = tuning.search_summary(group_dir)
+    if BASELINE not in summary:
+        raise tuning.SearchRecordError(f"{group_dir}: no {BASELINE} search to compare against")
+    epsilon = float(GROUP_PATTERN.match(group_dir.name)["eps"])
+    runs = {m: method_runs(group_dir, plan, m, s["winner"]) for m, s in summary.items()}
+    base, base_winner = runs[BASELINE], summary[BASELINE]["winner"]
+    out = {}
+    for method, s in summary.items():
+        mine = runs[method]
+        row = dict(winner=s["winner"], num_trials=s["num_trials"],
+                   retrains=mine["retrains"], mean=float(np.mean(mine["retrains"])),
+                   published_epsilon=published_epsilon(mine["events"], plan["delta"]),
+                   deployment_epsilon=s.get("deployment_epsilon"),
+                   claim=claims.get(method, {}),
+                   claim_range=methods.claim_range(claims.get(method, {}).get("claim_gain"),
+                                                   epsilon))
+        if method != BASELINE:
+            rng = np.random.default_rng(search_space.stable_seed(group_dir.name, method, "boot"))
+            selection = uncertainty.selection_draws(
+                base["validation"], base["test"], mine["validation"], mine["test"],
+                draws=draws, rng=rng)
+            realized = mine["test"][s["winner"]] - base["test"][base_winner]
+            interval = uncertainty.gain_interval(base["retrains"], mine["retrains"], selection,
+                                                 realized, rng=rng)
+            row.update(interval=interval, verdict=uncertainty.verdict(interval),
+                       win_rate=uncertainty.paired_win_rate(
+                           base["test"], mine["test"], range(1, plan["num_trials"])))
+        out[method] = row
+    check = baseline_check(base["retrains"], baseline_best)
+    return dict(methods=out, baseline=check, paired=True, epsilon=epsilon,
+                group=group_dir.name)

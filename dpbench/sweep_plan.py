@@ -1,0 +1,96 @@
+"""What a sweep's search runs, before any trial: per group, ``search.json`` (J, every method's
+trial bindings, the events of the space's privacy support from the compiler's own accounting)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from dpbench import records as records_lib
+from dpbench import tuning
+
+SEARCH_FILE = tuning.SEARCH_FILE
+
+
+def support_event(gin_files, bindings) -> dict:
+    """The DpEvent (JSON) a run with these settings would have, from the compiler's own
+    accounting; nothing trains."""
+    from dpbench import accounting, config, train
+    config.parse_config(list(gin_files), list(bindings))
+    _, stages = train.pipeline_stages()
+    run = train.build_run(stages, config.TrainConfig(), accounting.Budget())
+    return accounting.event_to_json(run.compiled.run_event())
+
+
+def support_events(tasks, workers: int) -> list:
+    """support_event of each (gin_files, bindings), on ``workers`` fresh processes (each call
+    loads the data and calibrates sigma: seconds each, hundreds per board)."""
+    if workers <= 1 or len(tasks) <= 1:
+        return [support_event(*t) for t in tasks]
+    import concurrent.futures
+    import multiprocessing
+    with concurrent.futures.ProcessPoolExecutor(
+            max_workers=workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return list(pool.map(support_event, *zip(*tasks)))
+
+
+def plan_group(protocol: dict, family: str, epsilon: float, methods, workers: int = 1,
+               secret_rng=None) -> dict:
+    """What search.json holds for one group (trial bindings and the support's events). With
+    ``secret_rng`` (a secret search): J from the deployment's law and i.i.d. draws, both from
+    that generator (OS entropy), never from the protocol's public seed."""
+    group = tuning.group_name(family, epsilon, protocol["delta"])
+    spec = protocol["families"][family]
+    if secret_rng is None:
+        law = dict(protocol["trials"])
+        num_random = tuning.draw_random_trials(law, group)
+    else:
+        law = tuning.secret_law(protocol["trials"])
+        num_random = tuning.sample_trial_count(secret_rng, float(law["mean_random"]),
+                                               tuning.shape_of(law))
+    plan = dict(group=group, family=family, epsilon=float(epsilon), delta=protocol["delta"],
+                trials_law=law, num_random=num_random,
+                num_trials=1 + num_random, seeds=list(protocol["seeds"]),
+                family_spec=spec, methods={})
+    budget_bindings = [f"EPSILON = {float(epsilon)}", f"DELTA = {protocol['delta']!r}"]
+    tasks = []
+    for method in methods:
+        gin_files = [spec["methods"][method]["gin_file"], *spec.get("gin_files", [])]
+        support = tuning.privacy_support(protocol, family, method)
+        tasks += [(method, gin_files, b) for b in support]
+        plan["methods"][method] = dict(
+            gin_files=gin_files, support=[],
+            trials=tuning.trial_bindings(protocol, family, group, method, num_random,
+                                         rng=secret_rng))
+        tuning.check_trials(method, gin_files, plan["methods"][method]["trials"],
+                            [*budget_bindings, "train.seed = 0"])
+    events = support_events([(g, [*b, *budget_bindings]) for _, g, b in tasks], workers)
+    for (method, _, bindings), event in zip(tasks, events):
+        plan["methods"][method]["support"].append(dict(bindings=bindings, event=event))
+    return plan
+
+
+def prepare(protocol: dict, family: str, epsilon: float, methods, records: Path,
+            workers: int = 1) -> dict:
+    """search.json of the group: written once; a rerun must find the same trials."""
+    group = tuning.group_name(family, epsilon, protocol["delta"])
+    path = records / group / SEARCH_FILE
+    if path.exists():
+        plan = json.loads(path.read_text())
+        missing = [m for m in methods if m not in plan["methods"]]
+        for method in set(methods) - set(missing):
+            fresh = tuning.trial_bindings(protocol, family, group, method, plan["num_random"])
+            if fresh != plan["methods"][method]["trials"] or plan["family_spec"] != \
+                    protocol["families"][family]:
+                raise tuning.ProtocolError(
+                    f"{path}: the protocol changed since this search began ({method}'s trials "
+                    "differ); restore the protocol, or start a new board in another --records")
+        if not missing:
+            return plan
+        extra = plan_group(protocol, family, epsilon, missing, workers)
+        plan["methods"].update(extra["methods"])
+    else:
+        plan = plan_group(protocol, family, epsilon, methods, workers)
+    # insertion order kept (methods as the protocol lists them: the order trials are queued)
+    records_lib.atomic_write_text(path, json.dumps(plan, indent=1) + "\n")
+    return plan

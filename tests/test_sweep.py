@@ -395,6 +395,13 @@ def test_a_paired_group_gets_v3_verdicts_intervals_both_epsilons_and_a_forest_pl
     assert text.index("## Headline") < text.index("| method |")  # before any table
     assert (tmp_path / "a" / "plots" / f"{GROUP}__forest.svg").exists()
     analysis = paired.analyse_group(group, {})
+    seed0 = {p.parent.name: json.loads(p.read_text())["test_accuracy"]
+             for p in group.glob("*-seed0/run_record.json")}
+    randoms = [v for name, v in seed0.items() if "-t0-" not in name]
+    assert analysis["junk"] == (sum(v < max(seed0.values()) - 0.05 for v in randoms),
+                                len(randoms))
+    assert "Junk: {} of {} random trials".format(*analysis["junk"]) in (
+        tmp_path / "a" / "README.md").read_text()
     rs = analysis["methods"]["rs"]
     assert rs["interval"]["low"] <= rs["interval"]["gain"] <= rs["interval"]["high"]
     assert rs["verdict"] == ("better" if rs["interval"]["low"] > 0 else "worse"

@@ -88,7 +88,9 @@ def _paired_verdicts(table, finished, history, claims, out_dir, earlier_records)
         except (tuning.SearchRecordError, ValueError) as e:
             raise LeaderboardError(f"{group}: {e}") from e
         out.append(dict(group=group, forest=plot_forest(analysis, out_dir),
-                        baseline=baseline_text(analysis["baseline"]),
+                        baseline=baseline_text(analysis["baseline"]) + " Junk: {} of {} "
+                        "random trials end more than 5 points below the group's best (or "
+                        "diverged).".format(*analysis["junk"]),
                         table=v3_table(analysis, earlier), analysis=analysis))
     return out
 

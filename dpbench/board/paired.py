@@ -83,6 +83,31 @@ def published_epsilon(events_json, delta: float) -> float:
     return tuning.published_epsilon([composed_event(events_json)], delta)
 
 
+JUNK_POINTS = 0.05  # a random trial this far (test accuracy) below its group's best is junk
+
+
+def junk_rate(group_dir) -> tuple[int, int]:
+    """(junk, published) over the random trials (j >= 1, seed 0) of every method of a group
+    published so far: junk ends more than 5 points below the best seed-0 trial of the group, or
+    diverged. Works on a search still under way (what is unpublished is not counted)."""
+    group_dir = Path(group_dir)
+    plan = json.loads((group_dir / tuning.SEARCH_FILE).read_text())
+    seed0, scores = plan["seeds"][0], {}
+    for method in plan["methods"]:
+        for trial in range(plan["num_trials"]):
+            try:
+                record = _outcome(group_dir, method, trial, seed0)
+            except tuning.SearchIncomplete:
+                continue
+            scores[(method, trial)] = None if record is None else record["test_accuracy"]
+    finished = [v for v in scores.values() if v is not None]
+    if not finished:
+        return 0, 0
+    best = max(finished)
+    random = [v for (_, trial), v in scores.items() if trial >= 1]
+    return sum(1 for v in random if v is None or v < best - JUNK_POINTS), len(random)
+
+
 def analyse_group(group_dir, claims: dict, baseline_best=None, draws: int = DRAWS) -> dict:
     """The v3 verdicts of one finished paired group: {"methods": {method: {...}}, "baseline":
     baseline_check's dict, "paired": True}."""
@@ -119,4 +144,4 @@ def analyse_group(group_dir, claims: dict, baseline_best=None, draws: int = DRAW
         out[method] = row
     check = baseline_check(base["retrains"], baseline_best)
     return dict(methods=out, baseline=check, paired=True, epsilon=epsilon,
-                group=group_dir.name)
+                group=group_dir.name, junk=junk_rate(group_dir))

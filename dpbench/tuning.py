@@ -193,7 +193,7 @@ def run_dir_name(method: str, trial: int, seed: int) -> str:
     return f"{method}-t{trial}-seed{seed}"
 
 
-def _trial_outcome(group_dir: Path, method: str, trial: int, seed: int):
+def trial_outcome(group_dir: Path, method: str, trial: int, seed: int):
     """(record or None for a diverged run, path) of one published trial."""
     directory = group_dir / run_dir_name(method, trial, seed)
     record_path = directory / "run_record.json"
@@ -226,7 +226,7 @@ def search_summary(group_dir) -> dict:
                    s["event"] for s in m["support"]}
         validation, events = {}, {}
         for trial in range(plan["num_trials"]):
-            record, where = _trial_outcome(group_dir, method, trial, seed0)
+            record, where = trial_outcome(group_dir, method, trial, seed0)
             validation[trial] = None if record is None else record["validation_accuracy"]
             if record is None:
                 continue

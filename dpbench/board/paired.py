@@ -51,7 +51,7 @@ def is_paired(plan: dict) -> bool:
 
 
 def _outcome(group_dir: Path, method: str, trial: int, seed) -> dict | None:
-    record, _ = tuning._trial_outcome(group_dir, method, trial, seed)
+    record, _ = tuning.trial_outcome(group_dir, method, trial, seed)
     return record
 
 

@@ -376,7 +376,10 @@ def test_the_baseline_check_fires_on_a_weaker_dpsgd_row_and_only_then():
     best = best_recorded_baseline(archived + noise, "fashion_mnist", "tanh_cnn", 1.0,
                                            1e-5)
     assert best["label"] == "optimize.optax.learning_rate=2.0"
-    weaker = baseline_check(0.8202 + rng.normal(0, 4e-3, 4), best)
+    # v2's spread (sd ~0.4 points) with a random offset: a free normal draw of 4 seeds had its
+    # sd above 0.7 points ~2% of the time, where the check rightly cannot call it weaker
+    weaker = baseline_check(0.8202 + rng.uniform(-1e-3, 1e-3)
+                            + np.array([-4e-3, 4e-3, -2e-3, 2e-3]), best)
     assert weaker["status"] == "weaker" and weaker["best"] == pytest.approx(0.8315, abs=2e-3)
     assert baseline_check(0.8315 + rng.normal(0, 3e-4, 4), best)["status"] == "ok"
     assert baseline_check([0.826, 0.836, 0.831, 0.829], best)["status"] == "ok"

@@ -6,7 +6,8 @@ from __future__ import annotations
 import socket
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+from dpbench.methods import REPO_ROOT as REPO
+
 
 
 def retry_advice(error: str) -> str:

@@ -16,9 +16,9 @@ from pathlib import Path
 
 from dpbench import records as records_lib
 from dpbench import tuning
+from dpbench.methods import REPO_ROOT as REPO
 from dpbench.sweep_plan import plan_group
 
-REPO = Path(__file__).resolve().parents[1]
 SEARCH_FILE, run_dir_name = tuning.SEARCH_FILE, tuning.run_dir_name
 
 

@@ -29,6 +29,7 @@ from dp_accounting import dp_event
 from dpbench import accounting, methods, search_space, tuning
 from dpbench.board import uncertainty
 from dpbench.board.results import BASELINE, GROUP_PATTERN
+from dpbench.board.verdicts import baseline_check
 
 DRAWS = 4000  # bootstrap draws per gain: the interval's ends move by < 0.05 points between seeds
 
@@ -111,7 +112,6 @@ def junk_rate(group_dir) -> tuple[int, int]:
 def analyse_group(group_dir, claims: dict, baseline_best=None, draws: int = DRAWS) -> dict:
     """The v3 verdicts of one finished paired group: {"methods": {method: {...}}, "baseline":
     baseline_check's dict, "paired": True}."""
-    from dpbench.board.verdicts import baseline_check
     group_dir = Path(group_dir)
     plan = json.loads((group_dir / tuning.SEARCH_FILE).read_text())
     summary = tuning.search_summary(group_dir)

@@ -20,6 +20,7 @@ import math
 from typing import Optional, Sequence
 
 import numpy as np
+import scipy.stats
 
 from dpbench.tuning import choose_trial, finished_score
 
@@ -57,7 +58,7 @@ def welch(seeds_a: Sequence[float], seeds_b: Sequence[float]) -> tuple[float, fl
     se = math.sqrt(va + vb)
     if se == 0:
         return float(b.mean() - a.mean()), 0.0, math.inf
-    df = (va + vb) ** 2 / (va ** 2 / (len(a) - 1) + vb ** 2 / (len(b) - 1))
+    df = scipy.stats.ttest_ind(b, a, equal_var=False).df  # Welch-Satterthwaite
     return float(b.mean() - a.mean()), se, float(df)
 
 

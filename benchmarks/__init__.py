@@ -1,1 +1,2 @@
-"""Benchmarks of dpbench (outside the package): ``python -m benchmarks.speed`` via tools/bench.sh."""
+"""Benchmarks of dpbench (outside the package): ``python -m benchmarks.speed``, via
+tools/bench.sh."""

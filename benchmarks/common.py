@@ -13,11 +13,15 @@ OPACUS_MODES = ("hooks", "ew", "functorch", "ghost")
 # power iteration, basis recomputed every step).
 GEP_FAMILY = ("gep", "bgep")
 FLOOR_LABEL = "GEP light's floor (its matrix products alone)"
+BOUND_LABEL = "GEP light's bound (floor + plain anchor gradients + JAX non-private step)"
+# The lower bounds for any GEP light step: {row group: label}, the report's order.
+GEP_BOUNDS = {"floor": FLOOR_LABEL, "bound": BOUND_LABEL}
 VERSION_PACKAGES = ("jax", "jaxlib", "flax", "optax", "dp-accounting", "numpy", "torch",
                     "opacus")
 COMMAND_ENV = "DPBENCH_BENCH_COMMAND"  # set by tools/bench.sh: the shell command to record
 ONCE = ("calibration", "main_job", "interleaved")
-TIMED = ("jax_nonprivate", "torch_nonprivate", "opacus", "dp", "gep_floor")  # with a step time
+# the kinds with a step time
+TIMED = ("jax_nonprivate", "torch_nonprivate", "opacus", "dp", "gep_floor", "gep_bound")
 SPEC_KEYS = ("label", "group", "kind", "batch_size", "pipeline", "setting", "mode")
 
 

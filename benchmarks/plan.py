@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 from typing import Optional, Sequence
 
-from benchmarks.common import (FLOOR_LABEL, GEP_FAMILY, OPACUS_MODES, PIPELINE_DIR,
+from benchmarks.common import (GEP_BOUNDS, GEP_FAMILY, OPACUS_MODES, PIPELINE_DIR,
                                  REPO_ROOT, TIMED)
 
 
@@ -37,7 +37,7 @@ class Options:
     logical_batch: int = 4096
     gep_paper_anchors: int = 2000
     gep_paper_basis: int = 500
-    gep_floor: bool = True  # GEP light's matrix products alone, when gep is selected
+    gep_floor: bool = True  # GEP light's lower bounds (benchmarks.common.GEP_BOUNDS) with gep
     gep_refresh_every: int = 10  # GEP/B-GEP light with the basis every r steps (0 or 1: none)
     opacus_modes: tuple = OPACUS_MODES
     torch_threads: int = 0
@@ -179,10 +179,12 @@ def plan(options: Options, torch_info: dict) -> list:
                                         "steps": max(3, options.steps // every)}
                                        if every > 1 else {})))  # as many steps as the others
             if name == "gep" and options.gep_floor:
-                configs.append(dict(common, kind="gep_floor", label=FLOOR_LABEL, group="floor",
-                                    pipeline=name, setting="light", batch_size=b,
-                                    noise_multiplier=sigma, gin_files=_gin_files(options, name),
-                                    bindings=_bindings(options, b)))
+                for group, label in GEP_BOUNDS.items():
+                    configs.append(dict(common, kind=f"gep_{group}", label=label, group=group,
+                                        pipeline=name, setting="light", batch_size=b,
+                                        noise_multiplier=sigma,
+                                        gin_files=_gin_files(options, name),
+                                        bindings=_bindings(options, b)))
     if options.interleaved_steps > 0:
         for b in options.batch_sizes:
             members = [dict(c, steps=options.interleaved_steps) for c in configs

@@ -5,9 +5,10 @@ time over ``--steps`` steps after ``--warmup`` steps of:
 
 * a non-private JAX step (same model, plain mean-loss gradient, the pipeline's optax optimizer,
   jitted) on fixed-size batches of exactly B examples;
-* dpbench DP-SGD (``pipelines/dpsgd``) and every other method folder (``pipelines/<name>``), each built
-  exactly as ``train.train`` builds it (gin via ``main.parse_config``, the same dataset, model,
-  seeds, sampler and ``compiler.compile_pipeline`` call), on the Poisson sampler's padded batch;
+* dpbench DP-SGD (``pipelines/dpsgd``) and every other method folder (``pipelines/<name>``),
+  each built exactly as ``train.train`` builds it (gin via ``main.parse_config``, the same
+  dataset, model, seeds, sampler and ``compiler.compile_pipeline`` call), on the Poisson
+  sampler's padded batch;
   GEP also at the paper's MNIST setting (m = 2000 anchors, k = 500 basis vectors, basis every
   step) next to the light default of ``pipelines/gep/pipeline.gin`` (m = 512, k = 200);
 * when torch and opacus import (the ``bench`` extra), the same tanh CNN in torch: a non-private
@@ -47,9 +48,10 @@ from benchmarks.plan import (Options, parse_micro_batch_sizes, plan, run_config,
                              torch_available, torch_settings)
 from benchmarks.machine import machine_facts, versions
 from benchmarks.report import (aggregate_rounds, compute_ratios, interleaved_rows, render,
-                               summary_line, targets, write_atomically)
+                               summary_line, targets)
 from benchmarks.trial_cost import trial_costs
 from benchmarks.workers import run_worker
+from dpbench.records import atomic_write_text
 
 
 FLAGS = flags.FLAGS
@@ -80,8 +82,9 @@ flags.DEFINE_integer("gep_paper_anchors", 2000, "GEP paper setting: anchors m (0
 flags.DEFINE_integer("gep_paper_basis", 500, "GEP paper setting: basis size k.")
 flags.DEFINE_integer("gep_refresh_every", 10, "GEP/B-GEP light also with the basis refreshed "
                      "every r steps (timed r steps at a time); 0 or 1: no such row.")
-flags.DEFINE_bool("gep_floor", True, "Time GEP light's matrix products alone (a lower bound "
-                  "for any GEP step here) next to the pipelines.")
+flags.DEFINE_bool("gep_floor", True, "Time GEP light's lower bounds next to the pipelines: its "
+                  "matrix products alone, and those plus a plain gradient of its anchors and "
+                  "JAX's non-private step (each a lower bound for any GEP step here).")
 flags.DEFINE_list("opacus_modes", list(OPACUS_MODES), "Opacus grad_sample_mode values to try.")
 flags.DEFINE_integer("torch_threads", 0, "torch.set_num_threads (0: the machine's core count).")
 flags.DEFINE_bool("calibration", True, "Time sigma calibration (RDP and PLD).")
@@ -181,16 +184,16 @@ def run_benchmark(options: Options) -> dict:
                 report["incomplete"] = (f"round {rnd + 1} of {options.rounds}, {i + 1} of "
                                         f"{len(configs)} configurations done")
                 report["wall_s"] = time.time() - wall_start
-                write_atomically(out, render(report))
-                write_atomically(json_path, json.dumps(report, indent=1, default=str))
+                atomic_write_text(out, render(report))
+                atomic_write_text(json_path, json.dumps(report, indent=1, default=str))
     report["incomplete"] = None
     report["finished"] = datetime.datetime.now(datetime.timezone.utc).isoformat(
         timespec="seconds")
     report["load_average_end"] = os.getloadavg() if hasattr(os, "getloadavg") else None
     report["wall_s"] = time.time() - wall_start
     report["out"], report["json"] = str(out), str(json_path)
-    write_atomically(out, render(report))
-    write_atomically(json_path, json.dumps(report, indent=1, default=str))
+    atomic_write_text(out, render(report))
+    atomic_write_text(json_path, json.dumps(report, indent=1, default=str))
     logging.info("wrote %s and %s", out, json_path)
     return report
 

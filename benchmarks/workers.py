@@ -149,9 +149,11 @@ def accumulated_value_and_grad(loss_fn, params, images, labels, chunk: int):
     return jax.tree.map(lambda v: v / (b // chunk), total)
 
 
-def worker_jax_nonprivate(spec: dict) -> dict:
-    """Same model and optax optimizer; plain mean-loss gradient on exactly B examples,
-    accumulated over the micro-batches dpbench's rows use; jitted."""
+def _plain_step(spec: dict) -> dict:
+    """JAX's own non-private step for the spec's model and optax optimizer: a plain mean-loss
+    gradient on exactly B examples, accumulated over the micro-batches dpbench's rows use, then
+    the update. Returns the step (un-jitted), its initial params and optimizer state, the
+    loss, the dataset and the fixed-size batches' indices."""
     import jax
     import jax.numpy as jnp
     import optax
@@ -176,7 +178,6 @@ def worker_jax_nonprivate(spec: dict) -> dict:
                                    ).generate_state(3)
     params = model.init(jax.random.key(int(seeds[0])),
                         jnp.zeros((1,) + dataset.input_shape, jnp.float32))
-    opt_state = transform.init(params)
 
     def mean_loss(p, images, labels):
         return jnp.mean(optax.softmax_cross_entropy_with_integer_labels(
@@ -188,23 +189,41 @@ def worker_jax_nonprivate(spec: dict) -> dict:
         updates, s = transform.update(grads, s, p)
         return optax.apply_updates(p, updates), s, loss
 
-    step = jax.jit(plain_step, donate_argnums=(0, 1))
     b = config.batch_size
-    indices = fixed_size_batches(n, b, int(seeds[2]), spec["warmup"] + spec["steps"])
-    holder = {"p": params, "s": opt_state, "loss": None}
+    return dict(step=plain_step, params=params, opt_state=transform.init(params),
+                mean_loss=mean_loss, dataset=dataset, batch_size=b,
+                indices=fixed_size_batches(n, b, int(seeds[2]), spec["warmup"] + spec["steps"]))
+
+
+def _batch_loader(plain: dict):
+    import jax
+
+    images, labels = plain["dataset"].train.images, plain["dataset"].train.labels
 
     def prepare(t):
-        idx = indices[t]
-        return jax.block_until_ready((jax.device_put(dataset.train.images[idx]),
-                                      jax.device_put(dataset.train.labels[idx])))
+        idx = plain["indices"][t]
+        return jax.block_until_ready((jax.device_put(images[idx]), jax.device_put(labels[idx])))
+    return prepare
+
+
+def worker_jax_nonprivate(spec: dict) -> dict:
+    """Same model and optax optimizer; plain mean-loss gradient on exactly B examples,
+    accumulated over the micro-batches dpbench's rows use; jitted."""
+    import jax
+
+    plain = _plain_step(spec)
+    step = jax.jit(plain["step"], donate_argnums=(0, 1))
+    holder = {"p": plain["params"], "s": plain["opt_state"], "loss": None}
 
     def run_step(batch):
         holder["p"], holder["s"], holder["loss"] = step(holder["p"], holder["s"], *batch)
         jax.block_until_ready((holder["p"], holder["s"], holder["loss"]))
 
-    timing = _timed_loop(spec["steps"], spec["warmup"], prepare, run_step)
-    return dict(timing, dataset_size=n, expected_batch_size=b, padded_batch_size=b,
-                final_train_loss=float(holder["loss"]), param_count=_param_count(holder["p"]))
+    timing = _timed_loop(spec["steps"], spec["warmup"], _batch_loader(plain), run_step)
+    b = plain["batch_size"]
+    return dict(timing, dataset_size=len(plain["dataset"].train), expected_batch_size=b,
+                padded_batch_size=b, final_train_loss=float(holder["loss"]),
+                param_count=_param_count(holder["p"]))
 
 
 def worker_calibration(spec: dict) -> dict:
@@ -245,6 +264,9 @@ def worker_main_job(spec: dict) -> dict:
                                    "calibration_s")}
 
 
+ANCHOR_CHUNK = 64  # gep.embed_and_clip's default anchor_chunk
+
+
 def gep_floor_shapes(run: dict) -> dict:
     """The GEP light step's matrix shapes: {group: (p_g, k_g)}, the anchor count m and the
     step's expected batch B, read off the compiled GEP pipeline and its parameters."""
@@ -265,10 +287,18 @@ def worker_gep_floor(spec: dict) -> dict:
     gradients, (G B0^T)^T G (4 m p_g k_g FLOPs), and the embedding of the step's B examples
     (2 B p_g k_g), each one jitted product on random inputs of those shapes. Not counted:
     anchor and per-example gradients, the QR, the residual, the noise, the optimizer. When this
-    alone exceeds a GEP target, no GEP step here can meet it."""
-    import jax
+    alone exceeds a GEP target, no GEP step here can meet it.
 
-    shapes = gep_floor_shapes(build_dp_run(spec))
+    kind "gep_bound": the same products plus the least the two gradients cost, all in ONE
+    jitted function: a plain (summed, not per-example) gradient of the m anchors at the
+    current parameters, in chunks of ``ANCHOR_CHUNK``, and JAX's own non-private step on B
+    examples (``worker_jax_nonprivate``'s, update included). Every GEP step does at least
+    this; still not counted: per-example gradients and norms, the QR, the residual, noise."""
+    import jax
+    import jax.numpy as jnp
+
+    run = build_dp_run(spec)
+    shapes = gep_floor_shapes(run)
     m, b = shapes["num_anchors"], shapes["batch_size"]
     key = jax.random.PRNGKey(0)
     inputs = {}
@@ -277,15 +307,36 @@ def worker_gep_floor(spec: dict) -> dict:
         inputs[g] = (jax.random.normal(ka, (m, p)), jax.random.normal(ks, (k, p)),
                      jax.random.normal(kx, (b, p)))
 
-    @jax.jit
     def products(inputs):
         return {g: ((anchors @ start.T).T @ anchors, examples @ start.T)
                 for g, (anchors, start, examples) in inputs.items()}
 
-    def run_step(_):
-        jax.block_until_ready(products(inputs))
+    prepare, holder = (lambda t: None), {}
+    if spec.get("kind") == "gep_bound":
+        plain = _plain_step(spec)
+        anchors = jnp.asarray(run["dataset"].public.images[:m])
+        anchor_labels = jax.random.randint(key, (m,), 0, run["dataset"].num_classes)
 
-    timing = _timed_loop(spec["steps"], spec["warmup"], lambda t: None, run_step)
+        def work(inputs, p, s, images, labels):
+            _, anchor_grads = accumulated_value_and_grad(plain["mean_loss"], p, anchors,
+                                                         anchor_labels, ANCHOR_CHUNK)
+            p, s, loss = plain["step"](p, s, images, labels)
+            return products(inputs), anchor_grads, p, s, loss
+
+        jitted = jax.jit(work, donate_argnums=(1, 2))
+        prepare, holder = _batch_loader(plain), {"p": plain["params"], "s": plain["opt_state"]}
+
+        def run_step(batch):
+            out = jitted(inputs, holder["p"], holder["s"], *batch)
+            holder["p"], holder["s"] = out[2], out[3]
+            jax.block_until_ready(out)
+    else:
+        jitted = jax.jit(products)
+
+        def run_step(_):
+            jax.block_until_ready(jitted(inputs))
+
+    timing = _timed_loop(spec["steps"], spec["warmup"], prepare, run_step)
     flops = sum((4 * m + 2 * b) * p * k for p, k in shapes["groups"].values())
     rate = flops / (timing["ms_median"] * 1e-3) if timing.get("ms_median") else None
     return dict(timing, pipeline="gep", flops=flops, gflop_per_s=None if rate is None else
@@ -310,7 +361,8 @@ def worker_interleaved(spec: dict) -> dict:
 WORKERS = {"dp": worker_dp, "jax_nonprivate": worker_jax_nonprivate,
            "torch_nonprivate": worker_torch_nonprivate, "opacus": worker_opacus,
            "calibration": worker_calibration, "main_job": worker_main_job,
-           "interleaved": worker_interleaved, "gep_floor": worker_gep_floor}
+           "interleaved": worker_interleaved, "gep_floor": worker_gep_floor,
+           "gep_bound": worker_gep_floor}
 # kinds run in the first round only (seconds, not ms/step; the interleaved run has its own)
 
 

@@ -10,6 +10,7 @@ import types
 
 import jax
 import numpy as np
+import pytest
 
 from benchmarks import common, machine, plan, speed, torch_workers, workers
 from benchmarks import report as reporting
@@ -38,9 +39,9 @@ def test_harness_runs_tiny_configurations_and_writes_the_report(tmp_path):
     out = tmp_path / "bench.md"
     options = plan.Options(
         steps=3, warmup=1, batch_sizes=(64,), pipelines="dpsgd", out=str(out), skip_torch=True,
-        micro_batch_sizes=((None, 64),), data_gin="gin/data/digits.gin", model_gin="gin/model/logistic.gin",
-        logical_batch=0, calibration=False, main_job=False, command="pytest tests/test_bench.py", rounds=2,
-        interleaved_steps=4)
+        micro_batch_sizes=((None, 64),), data_gin="gin/data/digits.gin",
+        model_gin="gin/model/logistic.gin", logical_batch=0, calibration=False, main_job=False,
+        command="pytest tests/test_bench.py", rounds=2, interleaved_steps=4)
     report = speed.run_benchmark(options)
 
     text = out.read_text()
@@ -231,22 +232,35 @@ def test_micro_batch_sizes_per_batch_size_with_a_default():
     assert "train.micro_batch_size = 64" in plan._bindings(options, 256)
 
 
-def test_the_gep_floor_gives_its_own_target_line_and_ratio():
-    """GEP light's floor (its matrix products alone, a lower bound for any GEP step here) is
+@pytest.mark.parametrize("group", sorted(common.GEP_BOUNDS))
+def test_each_gep_bound_gives_its_own_target_line_and_ratio(group):
+    """GEP light's lower bounds (its matrix products alone; those plus the plain gradients) are
     reported against DP-SGD at the same batch size and checked against GEP's own target:
-    when the floor fails it, no implementation of the step can meet it on this machine."""
-    def rows(floor_ms):
+    when one fails it, no implementation of the step can meet it on this machine."""
+    label = common.GEP_BOUNDS[group]
+
+    def rows(bound_ms):
         return [_row("dpbench dpsgd", "dpbench", 256, 50.0, pipeline="dpsgd"),
-                _row(common.FLOOR_LABEL, "floor", 256, floor_ms, pipeline="gep",
-                     setting="light")]
-    name = f"B=256: {common.FLOOR_LABEL} <= 4x DP-SGD"
-    for floor_ms, holds in ((250.0, False), (150.0, True)):
-        ratios = reporting.compute_ratios(rows(floor_ms), (256,))
-        assert math.isclose(ratios["per_batch"]["256"]["gep_floor_over_dpsgd"], floor_ms / 50)
+                _row(label, group, 256, bound_ms, pipeline="gep", setting="light")]
+    name = f"B=256: {label} <= 4x DP-SGD"
+    for bound_ms, holds in ((250.0, False), (150.0, True)):
+        ratios = reporting.compute_ratios(rows(bound_ms), (256,))
+        assert math.isclose(ratios["per_batch"]["256"][f"gep_{group}_over_dpsgd"], bound_ms / 50)
         assert "dpbench gep (light)" not in ratios["per_batch"]["256"]["methods"]
         assert {t["target"]: t["holds"] for t in reporting.targets(ratios, None)}[name] is holds
+        assert f"| 256 | {label} | {bound_ms / 50:.2f} |" in reporting._ratio_tables(ratios)
     without = reporting.compute_ratios(rows(100.0)[:1], (256,))
-    assert not any(common.FLOOR_LABEL in t["target"] for t in reporting.targets(without, None))
+    assert not any(label in t["target"] for t in reporting.targets(without, None))
+
+
+def test_the_plan_times_both_gep_bounds_only_with_gep():
+    options = plan.Options(pipelines="dpsgd,gep", batch_sizes=(256,), interleaved_steps=0)
+    kinds = {c["kind"]: c for c in plan.plan(options, {"skip": "no torch"})
+             if c.get("group") in common.GEP_BOUNDS}
+    assert set(kinds) == {"gep_floor", "gep_bound"}
+    assert all(c["pipeline"] == "gep" and c["setting"] == "light" for c in kinds.values())
+    without = plan.plan(plan.Options(pipelines="dpsgd", batch_sizes=(256,)), {"skip": "no torch"})
+    assert not any(c.get("group") in common.GEP_BOUNDS for c in without)
 
 
 def test_the_gep_floor_times_the_products_of_the_pipelines_own_shapes():
@@ -268,6 +282,11 @@ def test_the_gep_floor_times_the_products_of_the_pipelines_own_shapes():
     assert result["flops"] == sum((4 * 48 + 2 * 64) * sizes[g] * ks[g] for g in sizes)
     assert result["timed_steps"] == 2 and result["ms_median"] > 0
     assert math.isclose(result["gflop_per_s"], result["flops"] / result["ms_median"] / 1e6)
+    # the bound: the same products (same FLOPs, shapes) plus the two plain gradients
+    bound = workers.worker_gep_floor(dict(spec, kind="gep_bound"))
+    assert {k: bound[k] for k in ("flops", "basis_per_group", "num_anchors")} == {
+        k: result[k] for k in ("flops", "basis_per_group", "num_anchors")}
+    assert bound["timed_steps"] == 2 and bound["ms_median"] > 0
 
 
 def test_the_jax_non_private_gradient_accumulated_over_micro_batches_is_the_batch_gradient():

@@ -165,7 +165,8 @@ class Budget:
     pld_discretization: float = 1e-3
 
     def validate(self, dataset_size: int) -> None:
-        """Raises BudgetError unless 0 < epsilon < inf, 0 < delta < 1/N and the accountant exists."""
+        """Raises BudgetError unless 0 < epsilon < inf, 0 < delta < 1/N and the accountant
+        exists."""
         eps, delta = self.epsilon, self.delta
         if not isinstance(eps, (int, float)) or not math.isfinite(eps) or eps <= 0:
             raise BudgetError(f"budget.epsilon must be a finite number > 0, got {eps!r}; "
@@ -312,7 +313,8 @@ def calibrate_noise_multiplier(make_event: Callable[[float], dp_event.DpEvent],
 
     Brent's method (scipy) on the accountant's epsilon, in a bracket found by doubling; the
     result is re-checked: the accountant's epsilon at the returned sigma is <= the target
-    (never overshoots). Raises BudgetError when even sigma = SIGMA_BRACKET[1] cannot meet the target.
+    (never overshoots). Raises BudgetError when even sigma = SIGMA_BRACKET[1] cannot meet the
+    target.
     """
     cache = {}
 

@@ -3,7 +3,6 @@
 from pathlib import Path
 
 import gin
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest

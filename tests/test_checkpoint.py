@@ -69,8 +69,8 @@ def test_sigkill_at_a_random_step_then_resume_is_bit_identical(tmp_path):
     assert f"from its checkpoint at step {saved}" in resumed.stderr
     # The resumed process took up at the checkpoint's step: no step index (so no noise key
     # fold_in(key, step)) was replayed from the start, and the key came from the checkpoint.
-    first_resumed_log = [l for l in resumed.stderr.splitlines()
-                         if "steps/s  epsilon spent" in l][0]
+    first_resumed_log = [line for line in resumed.stderr.splitlines()
+                         if "steps/s  epsilon spent" in line][0]
     assert f"step {saved + 1}/" in first_resumed_log
     a, b = checkpoint.load_saved(full / train.CHECKPOINTS), checkpoint.load_saved(
         killed / train.CHECKPOINTS)

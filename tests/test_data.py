@@ -169,7 +169,8 @@ def test_tfds_name_downloads_prepares_and_loads_offline(name, shape, tmp_path, m
     assert sorted(served.requested) == sorted(served.files)  # the real URLs, each fetched once
     version_dirs = list((tmp_path / name).iterdir())
     assert len(version_dirs) == 1 and list(version_dirs[0].glob(f"{name}-train.array_record-*"))
-    train_x, train_y, test_x, test_y, num_classes = data._CACHE[(name, str(tmp_path), "pixels", None)][0]
+    cached = data._CACHE[(name, str(tmp_path), "pixels", None)][0]
+    train_x, train_y, test_x, test_y, num_classes = cached
     assert num_classes == 10 and ds.num_classes == 10 and ds.input_shape == shape
     assert _rows(train_x, train_y) == _rows(*served.expected["train"])
     assert _rows(test_x, test_y) == _rows(*served.expected["test"])

@@ -35,8 +35,8 @@ def test_cli_trains_and_writes_a_record_with_a_privacy_statement(tmp_path):
     assert statement["accountant"] == "pld" and "dp-accounting" in statement["accountant_version"]
     assert record["test_accuracy"] > 0.3  # far above chance (0.1) after 3 epochs
     assert (workdir / "operative_config.gin").exists() and (workdir / "config.gin").exists()
-    lines = [json.loads(l) for l in (workdir / "metrics.jsonl").read_text().splitlines()]
-    eps = [l["epsilon"] for l in lines if "epsilon" in l]
+    lines = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+    eps = [entry["epsilon"] for entry in lines if "epsilon" in entry]
     assert eps == sorted(eps) and eps[-1] == pytest.approx(record["epsilon"])
     assert "steps/s" in proc.stderr and "epsilon spent" in proc.stderr
     # a finished run is never overwritten

@@ -66,8 +66,8 @@ def bind(stages: Sequence[Stage], info: StageInfo, model=None,
     picks the per-example strategy from the stage chain: book-keeping where it reproduces the
     chain exactly (bookkeeping.applies, or the clip's own layer form) and the model is made of
     matmul layers, else the materialized per-example gradients (vmap). Stages are made with
-    ``info.layer_grads`` set where the model allows book-keeping. ``validated``: these stages' validation, when
-    the caller has already run it (the rules run once per compile)."""
+    ``info.layer_grads`` set where the model allows book-keeping. ``validated``: these stages'
+    validation, when the caller has already run it (the rules run once per compile)."""
     validated = validate_pipeline(stages) if validated is None else validated
     taps = None if model is None else bookkeeping.discover_taps(
         model, info.param_shapes, info.example_shape)

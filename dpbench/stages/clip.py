@@ -10,7 +10,8 @@ from dpbench.stages.base import Kind, Stage, register_stage, stateless
 
 @register_stage("clip.global_l2")
 def global_l2(l2_bound: float = 1.0) -> Stage:
-    """Flat L2 clipping of one example's value: output norm <= ``l2_bound`` (PER_EXAMPLE -> BOUNDED).
+    """Flat L2 clipping of one example's value: output norm <= ``l2_bound``
+    (PER_EXAMPLE -> BOUNDED).
 
     ``l2_bound = inf`` disables clipping (only meaningful with noise multiplier 0, for testing
     against non-private SGD; the compiler refuses to calibrate noise for an infinite bound).

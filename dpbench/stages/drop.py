@@ -11,7 +11,8 @@ step's gradient. Sensitivity and epsilon are DP-SGD's.
 Frozen coordinates (paper eq. 5, the default ``freeze_dropped=True``): the dropped coordinates
 keep their value this step. With momentum or Adam, masking the gradient alone is not enough
 (the optimizer's state would still move them), so the optimizer's UPDATE is masked too
-(its public mask applies to the updates too); the optimizer state itself evolves as with a zero gradient there.
+(its public mask applies to the updates too); the optimizer state itself evolves as with a
+zero gradient there.
 ``freeze_dropped=False`` is the variant that masks only the gradient (momentum still moves
 dropped coordinates): dpbench's DP-SSGD before 2026-11-23, kept for comparison.
 """

@@ -239,28 +239,50 @@ def test_each_group_shows_the_audit_made_at_its_own_epsilon(records, tmp_path):
         board.build(records, tmp_path / "board", audits_dir=audits)
 
 
-@pytest.mark.parametrize("board_dir", ["leaderboard", "leaderboard/archive/v1"])
-def test_the_committed_board_is_what_its_committed_records_give(tmp_path, board_dir):
-    """The board (v2) and the archived v1 board are regenerated, never edited by hand:
-    rebuilding each from its committed records, the audits and PERF.json gives the same bytes.
-    (The SVG plots are only checked to exist: their bytes depend on the matplotlib version.)"""
+def _committed_boards() -> list:
     from tests.conftest import REPO_ROOT
-    committed = REPO_ROOT / board_dir
-    copy = tmp_path / "board"
-    shutil.copytree(committed / "records", copy / "records")
-    shutil.copytree(REPO_ROOT / "leaderboard" / "audits", copy / "audits")
-    shutil.copy(REPO_ROOT / "leaderboard" / "PERF.json", copy / "PERF.json")
-    main = board_dir == "leaderboard"  # its verdicts read the claims and v1's records
-    board.build(copy / "records", copy, copy / "audits", copy / "PERF.json",
-                committed / "claims.json" if main else None,
-                committed / "archive" / "v1" / "records" if main else None)
+    found = [p.parent.relative_to(REPO_ROOT).as_posix()
+             for p in [REPO_ROOT / "leaderboard" / board.INPUTS_FILE,
+                       *sorted((REPO_ROOT / "leaderboard" / "archive").glob(
+                           f"*/{board.INPUTS_FILE}"))] if p.exists()]
+    assert "leaderboard" in found and "leaderboard/archive/v1" in found
+    return found
+
+
+@pytest.mark.parametrize("board_dir", _committed_boards())
+def test_the_committed_board_is_what_its_committed_records_give(tmp_path, board_dir):
+    """The board and every archived board are regenerated, never edited by hand: rebuilding
+    each from its committed records and the inputs its board.json names (in a copy of the
+    leaderboard folder, so every relative path is the same) gives the same bytes. (The SVG
+    plots are only checked to exist: their bytes depend on the matplotlib version.)"""
+    from tests.conftest import REPO_ROOT
+    copy = tmp_path / "leaderboard"
+    shutil.copytree(REPO_ROOT / "leaderboard", copy, ignore=shutil.ignore_patterns(
+        "plots", "*.png", "sweep-v3"))
+    rebuilt = copy.parent / board_dir
     for name in ("README.md", "index.html"):
-        assert (copy / name).read_text() == (committed / name).read_text(), (
+        (rebuilt / name).unlink()
+    assert board.main([f"--records={rebuilt / 'records'}"]) == 0
+    committed = REPO_ROOT / board_dir
+    for name in ("README.md", "index.html"):
+        assert (rebuilt / name).read_text() == (committed / name).read_text(), (
             f"{board_dir}/{name} is stale: run .venv/bin/dpbench board --records={board_dir}"
-            "/records" + ("" if main else " --audits=leaderboard/audits "
-                          "--perf=leaderboard/PERF.json"))
-    for plot in (copy / "plots").iterdir() if (copy / "plots").exists() else []:
+            "/records")
+    for plot in (rebuilt / "plots").iterdir():
         assert (committed / "plots" / plot.name).is_file()
+
+
+def test_board_json_names_only_known_inputs_that_exist(tmp_path, capsys):
+    """A board folder's board.json is read for every input not given on the command line; an
+    unknown name or a missing path is refused before anything is written."""
+    records = tmp_path / "records"
+    records.mkdir()
+    (tmp_path / board.INPUTS_FILE).write_text(json.dumps({"audit": "audits"}))
+    assert board.main([f"--records={records}"]) == 2
+    assert "unknown inputs ['audit']" in capsys.readouterr().err
+    (tmp_path / board.INPUTS_FILE).write_text(json.dumps({"history": ["old/records"]}))
+    assert board.main([f"--records={records}"]) == 2
+    assert "missing" in capsys.readouterr().err and not (tmp_path / "README.md").exists()
 
 
 def test_the_note_renders_as_html_paragraphs_with_escaping(records, tmp_path):

@@ -96,31 +96,55 @@ def _paired_verdicts(table, finished, history, claims, out_dir, earlier_records)
 
 
 BOARD = methods.REPO_ROOT / "leaderboard"
-# Inputs only the committed board has: read by default when --records is its records.
-OFFICIAL_INPUTS = dict(audits=BOARD / "audits", claims=BOARD / "claims.json",
-                       v1_records=BOARD / "archive" / "v1" / "records", perf=BOARD / "PERF.json")
+# A committed board's inputs besides its records, paths relative to its folder: the board and
+# every archived board keep one, so each regenerates from what it was built with.
+INPUTS_FILE = "board.json"
+_PATH_INPUTS = ("audits", "claims", "v1_records", "perf", "earlier_records")
+
+
+def board_inputs(board_dir) -> dict:
+    """The inputs ``board_dir``/board.json names ({} when it has none: a user's board), as
+    absolute paths: audits, claims, v1_records, perf, earlier_records (one each) and history
+    (earlier boards' record folders). A name it does not know, or a path that is missing, is
+    an error: a board is never rebuilt without an input it was built with."""
+    path = Path(board_dir) / INPUTS_FILE
+    if not path.exists():
+        return {}
+    spec = json.loads(path.read_text())
+    unknown = set(spec) - set(_PATH_INPUTS) - {"history"}
+    if unknown:
+        raise LeaderboardError(f"{path}: unknown inputs {sorted(unknown)}; known: "
+                               f"{', '.join((*_PATH_INPUTS, 'history'))}")
+    out = {k: None if spec.get(k) is None else (path.parent / spec[k]).resolve()
+           for k in _PATH_INPUTS}
+    out["history"] = [(path.parent / h).resolve() for h in spec.get("history", [])]
+    missing = [str(p) for p in [*out.values(), *out["history"]]
+               if isinstance(p, Path) and not p.exists()]
+    if missing:
+        raise LeaderboardError(f"{path} names inputs that are missing: {', '.join(missing)}")
+    return out
 
 
 def resolve_paths(args) -> str | None:
     """Fills the defaults: --out is the folder holding --records (its README links to
-    records/...); the committed board's audits, claims, v1 records and PERF.json are read only
-    when --records is the committed board's. A path given but missing is an error (returned)."""
-    official = Path(args.records).resolve() == (BOARD / "records").resolve()
+    records/...); every input not given on the command line comes from board.json in that
+    folder (the committed boards have one; a user's board has none, so nothing of the
+    committed board's is mixed in). A path given but missing is an error (returned)."""
     args.out = args.out or str(Path(args.records).resolve().parent)
-    for name, default in OFFICIAL_INPUTS.items():
+    try:
+        inputs = board_inputs(Path(args.records).resolve().parent)
+    except LeaderboardError as e:
+        return str(e)
+    for name in ("audits", "claims", "v1_records", "perf"):
         given = getattr(args, name)
         if given is None:
-            setattr(args, name, str(default) if official else None)
+            setattr(args, name, None if inputs.get(name) is None else str(inputs[name]))
         elif not Path(given).exists():
             return f"--{name}={given}: no such file or folder"
-    if args.v1_records and Path(args.v1_records).resolve() == Path(args.records).resolve():
-        args.v1_records = None
     # board v3's baseline check reads every earlier board's records; its gains sit beside v2's
-    archives = sorted((BOARD / "archive").glob("*/records")) if official else []
-    args.history = [str(p) for p in archives
-                    if p.resolve() != Path(args.records).resolve()]
-    v2 = BOARD / "archive" / "v2" / "records"
-    args.earlier_records = str(v2) if official and v2.is_dir() else None
+    args.history = [str(p) for p in inputs.get("history", [])]
+    args.earlier_records = None if inputs.get("earlier_records") is None else str(
+        inputs["earlier_records"])
     return None
 
 
@@ -137,18 +161,17 @@ def main(argv=None) -> int:
                              "folder holding --records)")
     parser.add_argument("--audits", default=None,
                         help="audit reports (dpbench audit --out=...), matched per pipeline and "
-                             "epsilon (default: leaderboard/audits for the committed board)")
+                             "epsilon (default: the board folder's board.json)")
     parser.add_argument("--claims", default=None,
                         help="the sentences on what changed per group and method, for the "
-                             "verdicts (default: leaderboard/claims.json for the committed "
-                             "board; each paper's claim comes from its method folder)")
+                             "verdicts (default: the board folder's board.json; each paper's "
+                             "claim comes from its method folder)")
     parser.add_argument("--v1_records", default=None,
                         help="board v1's records: its gains go next to v2's in the verdicts "
-                             "(default: leaderboard/archive/v1/records for the committed board)")
+                             "(default: the board folder's board.json)")
     parser.add_argument("--perf", default=None,
                         help="the speed benchmark's JSON (python -m benchmarks.speed "
-                             "--out=X.md; default: leaderboard/PERF.json for the committed "
-                             "board)")
+                             "--out=X.md; default: the board folder's board.json)")
     parser.add_argument("--methods_dirs", nargs="+", default=[],
                         help="your folders holding method folders (<name>/method.json: paper "
                              "and claim), searched before dpbench's own pipelines/")

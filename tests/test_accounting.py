@@ -3,7 +3,9 @@ import math
 
 import numpy as np
 import pytest
+import scipy.stats
 from dp_accounting import dp_event
+from dp_accounting.rdp import rdp_privacy_accountant
 
 from dpbench import accounting, sampling
 
@@ -65,6 +67,52 @@ def test_rdp_charges_truncation_overflow_to_delta():
     with pytest.raises(accounting.BudgetError, match="overflow"):
         accounting.epsilon_of(_run_event(tight, 100)(2.0), budget)
     assert accounting.epsilon_of(_run_event(loose, 100)(2.0), budget) > 0
+
+
+def _small_overflow_case(padded=164):
+    """A truncated sampler whose overflow is rare but costs a good part of delta = 1e-5 over
+    100 steps: P[a step's batch > 164], at N + 1 examples (the neighbour), is 1.4e-9."""
+    n, b, steps = 10_000, 100, 100
+    sampler = sampling.PoissonSampler(n, b, seed=0, padded_batch_size=padded)
+    assert sampler.truncated
+    overflow = steps * scipy.stats.binom.sf(padded, n + 1, b / n)  # union bound over steps
+    poisson = dp_event.PoissonSampledDpEvent(b / n, dp_event.GaussianDpEvent(1.0))
+    return _run_event(sampler, steps)(1.0), poisson, steps, overflow
+
+
+def test_rdp_charges_exactly_the_truncation_overflow_to_delta():
+    """RDP accounts a truncated run as the Poisson one and takes (1 + e^eps) x sum over steps
+    of P[overflow] out of delta: the epsilon equals dp_accounting's RDP epsilon of the Poisson
+    run at that smaller delta (a charge without the step count or the e^eps factor would not)."""
+    event, poisson, steps, overflow = _small_overflow_case()
+    charged = 1e-5 - (1 + math.exp(3.0)) * overflow
+    assert 0.2e-5 < 1e-5 - charged < 0.5e-5  # the charge matters here
+    got = accounting.epsilon_of(event, accounting.Budget(3.0, 1e-5, "rdp"))
+    rdp = rdp_privacy_accountant.RdpAccountant()
+    rdp.compose(poisson, steps)
+    assert got == pytest.approx(rdp.get_epsilon(charged), rel=1e-9)
+    assert got > rdp.get_epsilon(1e-5) * 1.001
+
+
+def test_the_search_epsilon_charges_every_runs_overflow_to_delta():
+    """The search (trial 0 plus J ~ geometric(mean 3) trials of the same truncated run): its
+    RDP is dp_accounting's repeat-and-select of the Poisson run, and (1 + 3) expected runs'
+    overflow, times (1 + e^(eps + 1)), comes out of delta."""
+    from dpbench import tuning
+    event, poisson, steps, overflow = _small_overflow_case(padded=168)  # 1.7e-10 a step
+    got = tuning.search_epsilon(event, [event], mean_random=3.0, shape=1.0, delta=1e-5)
+    orders = np.asarray(rdp_privacy_accountant.DEFAULT_RDP_ORDERS, dtype=np.float64)
+    run = rdp_privacy_accountant.RdpAccountant(list(orders))
+    run.compose(poisson, steps)
+    curve = np.asarray(run._rdp)
+    search = curve + np.asarray(rdp_privacy_accountant._compute_rdp_repeat_and_select(
+        orders, curve, 3.0, 1.0))
+    uncharged = rdp_privacy_accountant.compute_epsilon(orders, search, 1e-5)[0]
+    charged = 1e-5 - (1 + math.exp(uncharged + 1)) * (1 + 3.0) * overflow
+    assert 0.1e-5 < 1e-5 - charged < 0.6e-5  # the charge matters here
+    assert got == pytest.approx(rdp_privacy_accountant.compute_epsilon(orders, search,
+                                                                      charged)[0], rel=1e-9)
+    assert got > uncharged * 1.001
 
 
 def test_dpbench_pld_composition_agrees_with_the_accountant_on_gaussian_events():

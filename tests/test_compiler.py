@@ -143,8 +143,54 @@ def test_undeclared_transforms_and_selection_are_rejected():
     second_clip = [stages.grad.per_example(), stages.clip.global_l2(1.0),
                    stages.clip.global_l2(1.0), stages.noise.gaussian(),
                    stages.optimize.optax_optimizer()]
-    with pytest.raises(compiler.PipelineError, match="stage #2 'clip.global_l2'"):
+    # a second clip is refused at the transition (a clip consumes per-example values, and only
+    # a release may change a bounded value's kind), naming the stage
+    with pytest.raises(compiler.PipelineError,
+                       match=r"stage #2 'clip.global_l2' consumes per_example.*reorder"):
         compiler.validate_pipeline(second_clip)
+
+
+@pytest.mark.parametrize("bound", [0.0, -1.0, None, float("nan")])
+def test_a_clip_without_a_positive_bound_is_rejected(bound):
+    """A clip's bound is the release's sensitivity: zero, negative or missing would calibrate
+    no noise at all."""
+    clip = _stage("clip.zero", Kind.PER_EXAMPLE, Kind.BOUNDED, l2_bound=bound)
+    with pytest.raises(compiler.PipelineError,
+                       match=r"stage #1 'clip.zero'.*declares no positive l2_bound"):
+        compiler.validate_pipeline([stages.grad.per_example(), clip, stages.noise.gaussian(),
+                                    stages.optimize.optax_optimizer()])
+    fine = _stage("clip.fine", Kind.PER_EXAMPLE, Kind.BOUNDED, l2_bound=0.5)
+    checked = compiler.validate_pipeline([stages.grad.per_example(), fine,
+                                          stages.noise.gaussian(),
+                                          stages.optimize.optax_optimizer()])
+    assert checked.sensitivity == 0.5
+
+
+@pytest.mark.parametrize("release,message", [
+    ((1.0, 0.0), "without a finite positive l2_bound"),
+    ((1.0, 1.0), "without a finite positive l2_bound"),
+    ((float("inf"), 0.1), "without a finite positive l2_bound"),
+    ((0.0, 0.1), "without a finite positive l2_bound"),
+    (None, "only one stage may release private data before training"),  # two one-off stages
+])
+def test_one_off_releases_are_checked(release, message):
+    """At most one stage releases private data before training, with a finite positive bound
+    and a share of epsilon in (0, 1); (1.0, 0.1) alone passes."""
+    from dpbench.stages.base import OneOffRelease
+
+    def pruner(name, bound, fraction):
+        return _stage(name, Kind.PER_EXAMPLE, Kind.PER_EXAMPLE,
+                      one_off_release=OneOffRelease(l2_bound=bound, epsilon_fraction=fraction))
+
+    def pipeline(*middle):
+        return [stages.grad.per_example(), *middle, stages.clip.global_l2(1.0),
+                stages.noise.gaussian(), stages.optimize.optax_optimizer()]
+
+    compiler.validate_pipeline(pipeline(pruner("prune.ok", 1.0, 0.1)))
+    middle = ([pruner("prune.a", 1.0, 0.1), pruner("prune.b", 1.0, 0.1)] if release is None
+              else [pruner("prune.bad", *release)])
+    with pytest.raises(compiler.PipelineError, match=message):
+        compiler.validate_pipeline(pipeline(*middle))
 
 
 def test_the_compiler_runs_exactly_the_validated_declarations():

@@ -109,7 +109,7 @@ def test_two_regenerations_give_identical_bytes(records, tmp_path):
 @pytest.mark.parametrize("damage,match", [
     (lambda r: r.pop("validation_accuracy"), "missing field"),
     (lambda r: r.update(target_epsilon=1.0, epsilon=0.9), "does not match its group"),
-    (lambda r: r.update(epsilon=3.5), "exceeds its target"),
+    (lambda r: r.update(epsilon=3.0 + 1e-6), "exceeds its target"),  # target 3.0
     (lambda r: r["privacy_statement"].update(poisson_accounted=False), "not Poisson"),
 ])
 def test_malformed_records_are_rejected_with_their_path(records, tmp_path, damage, match):
@@ -120,6 +120,14 @@ def test_malformed_records_are_rejected_with_their_path(records, tmp_path, damag
     with pytest.raises(board.LeaderboardError, match=match) as error:
         board.build(records, tmp_path / "board")
     assert str(path) in str(error.value)
+
+
+def test_a_record_at_exactly_its_target_epsilon_is_accepted(records, tmp_path):
+    path = records / GROUP / "rs-a-s1" / "run_record.json"
+    record = json.loads(path.read_text())
+    assert record["target_epsilon"] == 3.0
+    path.write_text(json.dumps(dict(record, epsilon=3.0)))
+    board.build(records, tmp_path / "board")
 
 
 def test_cli_exit_code_and_message(tmp_path, capsys):

@@ -95,3 +95,82 @@ def test_poisson_steps_are_independent_and_the_test_rejects_shuffling():
     both, trials = _consecutive_co_inclusion(sampling.ShuffleSampler(n, batch, seed=seed), n,
                                              steps)
     assert scipy.stats.binomtest(both, trials, q * q).pvalue < 1e-6
+
+
+def _pair_co_inclusion(sampler, n, steps, pairs):
+    """(steps in which both examples of a pair were drawn, summed over the disjoint pairs;
+    pair-steps observed)."""
+    both = 0
+    for t in range(steps):
+        b = sampler.sample(t)
+        inside = np.zeros(n, bool)
+        inside[b.indices[b.mask]] = True
+        both += int(np.sum(inside[pairs[:, 0]] & inside[pairs[:, 1]]))
+    return both, steps * len(pairs)
+
+
+class _ConsecutiveRunSampler(sampling.PoissonSampler):
+    """Right batch-size law and right per-example rate, but a step's examples are one
+    consecutive run of indices: not independent within the step."""
+
+    def sample(self, step):
+        b = super().sample(step)
+        start = int(self._rng(step + 10**6).integers(self.dataset_size))
+        indices = b.indices.copy()
+        indices[:b.size] = (start + np.arange(b.size)) % self.dataset_size
+        return sampling.BatchIndices(indices, b.mask, b.size)
+
+
+@pytest.mark.parametrize("matching", ["neighbours", "random"])
+def test_examples_are_included_independently_within_a_step(matching):
+    """P[i and j both in one step] = q^2 for i != j under Poisson sampling, for neighbouring
+    indices and for a random matching; disjoint pairs keep the counts binomial. A sampler whose
+    steps are consecutive runs of indices (right size law, right per-example rate) fails it."""
+    n, batch, steps = 200, 40, 1500
+    q = batch / n
+    rng = np.random.default_rng()
+    pairs = (np.arange(n).reshape(-1, 2) if matching == "neighbours"
+             else rng.permutation(n).reshape(-1, 2))
+    seed = int(rng.integers(1e9))
+    both, trials = _pair_co_inclusion(sampling.PoissonSampler(n, batch, seed=seed), n, steps,
+                                      pairs)
+    assert scipy.stats.binomtest(both, trials, q * q).pvalue > 1e-4, (both, trials * q * q, seed)
+    if matching == "neighbours":
+        both, trials = _pair_co_inclusion(_ConsecutiveRunSampler(n, batch, seed=seed), n, steps,
+                                          pairs)
+        assert scipy.stats.binomtest(both, trials, q * q).pvalue < 1e-6
+
+
+class _LowestIndicesTruncation(sampling.PoissonSampler):
+    """Truncates an over-full batch to its lowest indices instead of a uniform subset."""
+
+    def sample(self, step):
+        rng = self._rng(step)
+        size = int(rng.binomial(self.dataset_size, self.sampling_rate))
+        chosen = np.sort(rng.choice(self.dataset_size, size=size, replace=False))
+        kept = min(size, self.padded_batch_size)
+        indices = np.zeros(self.padded_batch_size, np.int64)
+        indices[:kept] = chosen[:kept]
+        return sampling.BatchIndices(indices, np.arange(self.padded_batch_size) < kept, kept)
+
+
+def test_an_over_full_batch_is_cut_to_a_uniform_random_subset():
+    """The truncated event assumes the cut keeps a uniform subset of the drawn examples: with a
+    padded size at the mean (half the steps overflow), every example is still included at the
+    same rate E[min(size, P)] / N (chi-square over examples); keeping the lowest indices fails."""
+    n, batch, padded, steps = 1000, 100, 100, 1500
+    seed = int(np.random.default_rng().integers(1e9))
+    sizes = scipy.stats.binom(n, batch / n)
+    rate = sum(min(k, padded) * sizes.pmf(k) for k in range(n + 1)) / n
+
+    def p_value(sampler):
+        counts = np.zeros(n)
+        for t in range(steps):
+            b = sampler.sample(t)
+            counts[b.indices[b.mask]] += 1
+        expected = steps * rate
+        chi2 = np.sum((counts - expected) ** 2 / (expected * (1 - rate)))
+        return scipy.stats.chi2.sf(chi2, n)
+
+    assert p_value(sampling.PoissonSampler(n, batch, seed=seed, padded_batch_size=padded)) > 1e-4
+    assert p_value(_LowestIndicesTruncation(n, batch, seed=seed, padded_batch_size=padded)) < 1e-6

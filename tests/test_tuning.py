@@ -4,6 +4,8 @@ import math
 
 import numpy as np
 import pytest
+import scipy.special
+import scipy.stats
 from dp_accounting import dp_event
 from dp_accounting.rdp import rdp_privacy_accountant
 
@@ -57,6 +59,54 @@ def test_the_trial_count_has_the_declared_mean(shape):
     draws = np.array([tuning.sample_trial_count(rng, 5.0, shape) for _ in range(4000)])
     assert abs(draws.mean() - 5.0) < 4 * draws.std() / np.sqrt(len(draws))
     assert draws.min() >= (0 if shape == math.inf else 1)
+
+
+def _trial_count_pmf(mean: float, shape: float, j_max: int) -> np.ndarray:
+    """P[J = j], j = 0..j_max, from the law's definition (Papernot & Steinke): Poisson(mean)
+    for shape inf; else proportional to C(j + shape - 1, j) (1 - gamma)^j on j >= 1 (shape 0:
+    (1 - gamma)^j / j), gamma from dp_accounting's inversion of the mean."""
+    from dp_accounting.rdp import rdp_privacy_accountant
+    j = np.arange(j_max + 1, dtype=np.float64)
+    if shape == math.inf:
+        return scipy.stats.poisson(mean).pmf(j)
+    gamma = rdp_privacy_accountant._gamma_truncated_negative_binomial(shape, mean)
+    with np.errstate(divide="ignore"):
+        log_w = (j * np.log1p(-gamma) - np.log(j) if shape == 0 else
+                 scipy.special.gammaln(j + shape) - scipy.special.gammaln(shape)
+                 - scipy.special.gammaln(j + 1) + j * np.log1p(-gamma))
+    w = np.where(j >= 1, np.exp(log_w), 0.0)
+    tail_j = np.arange(j_max + 1, 20 * j_max, dtype=np.float64)  # normalise over the far tail
+    tail = (np.exp(tail_j * np.log1p(-gamma) - np.log(tail_j)) if shape == 0 else np.exp(
+        scipy.special.gammaln(tail_j + shape) - scipy.special.gammaln(shape)
+        - scipy.special.gammaln(tail_j + 1) + tail_j * np.log1p(-gamma)))
+    return w / (w.sum() + tail.sum())
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_the_trial_count_follows_the_accounted_law_exactly(shape):
+    """The search's epsilon holds for the exact law of J, not only its mean: a chi-square of
+    4,000 draws against the law's probabilities (bins 0..12 and the tail) passes, and a law
+    with the same mean but another shape (1 + Poisson(mean - 1)) is rejected by it."""
+    mean, n, j_max = 5.0, 4000, 12
+    pmf = _trial_count_pmf(mean, shape, j_max)  # bins 0..j_max; the rest is the tail bin
+    expected = np.append(pmf, 1.0 - pmf.sum()) * n
+    enough = expected >= 5  # the bins with too few expected counts are pooled into one
+    pooled = expected[~enough].sum()
+
+    def p_value(draws):
+        counts = np.bincount(np.minimum(draws, j_max + 1), minlength=j_max + 2)
+        observed, want = counts[enough], expected[enough]
+        if pooled > 0:
+            observed, want = np.append(observed, counts[~enough].sum()), np.append(want, pooled)
+        elif counts[~enough].sum():  # a draw where the law puts no mass
+            return 0.0
+        return scipy.stats.chisquare(observed, want).pvalue
+
+    rng = np.random.default_rng()
+    draws = np.array([tuning.sample_trial_count(rng, mean, shape) for _ in range(n)])
+    assert draws.min() >= (0 if shape == math.inf else 1)
+    assert p_value(draws) > 1e-4
+    assert p_value(1 + rng.poisson(mean - 1, n)) < 1e-6
 
 
 def test_the_trial_count_is_one_draw_per_group_from_the_recorded_seed():

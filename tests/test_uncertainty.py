@@ -70,6 +70,10 @@ def test_a_diverged_trial_is_never_reselected():
     draws = uncertainty.selection_draws(val_a, test_a, val_b, test_b, draws=2000,
                                         rng=np.random.default_rng())
     assert np.all(draws < 0.5)  # neither 0.99 ever enters
+    # and the resamples did happen and re-select: A's winner is trial 1 or 2 (0.5 / 0.6), B's
+    # trial 0 or 2 (0.7 / 0.6), so the gains 0.2, 0.1, 0.0 (and 0.0 via 2 vs 2) all occur
+    assert len(draws) > 0.5 * 2000
+    assert {0.0, 0.1, 0.2} <= set(np.round(draws, 6).tolist())
 
 
 @pytest.mark.parametrize("seeds", [4, 2])
@@ -81,11 +85,27 @@ def test_the_seed_part_uses_student_t_with_welch_df(seeds):
     b = a[::-1] + 0.01  # the same spread as a's: Welch's df is exactly 2 (n - 1)
     gain, se, df = uncertainty.welch(a, b)
     assert df == pytest.approx(2 * (seeds - 1))
+    # Welch's s.e. from its definition, not from the code under test
+    assert se == pytest.approx(np.sqrt(np.var(a, ddof=1) / seeds + np.var(b, ddof=1) / seeds))
+    assert gain == pytest.approx(np.mean(b) - np.mean(a))
     got = uncertainty.gain_interval(a, b, np.zeros(60000), 0.0, rng=rng)
-    half = scipy.stats.t.ppf(0.975, df) * se
+    q = scipy.stats.t.ppf(0.975, df)
+    half = q * se
     assert half > 2.4 * se
-    assert got["low"] == pytest.approx(gain - half, abs=0.03 * half)
-    assert got["high"] == pytest.approx(gain + half, abs=0.03 * half)
+    # 5 Monte Carlo standard errors of a 2.5% quantile of 60,000 draws (1.4% of the half-width
+    # for df = 2, whose tails are heavy; a fixed 3% failed ~7% of runs there)
+    tolerance = 5 * np.sqrt(0.025 * 0.975 / 60000) / scipy.stats.t.pdf(q, df) * se
+    assert got["low"] == pytest.approx(gain - half, abs=tolerance)
+    assert got["high"] == pytest.approx(gain + half, abs=tolerance)
+    assert tolerance < 0.1 * half  # still tight enough to tell t from a normal (+-1.96 s.e.)
+
+
+def test_welch_on_a_known_case():
+    """a = [0, 1], b = [1, 3]: variances 0.5 and 2, s.e. sqrt(0.5/2 + 2/2) = sqrt(1.25),
+    df = 1.25^2 / ((0.25^2 + 1^2) / 1) = 1.470588..."""
+    gain, se, df = uncertainty.welch([0.0, 1.0], [1.0, 3.0])
+    assert (gain, se) == (pytest.approx(1.5), pytest.approx(np.sqrt(1.25)))
+    assert df == pytest.approx(1.25 ** 2 / (0.25 ** 2 + 1.0))
 
 
 def test_verdict_words_only_where_the_interval_excludes_zero():

@@ -27,11 +27,21 @@ def _write_idx_gz(path, array, magic_dtype=0x08):
     path.write_bytes(gzip.compress(header + array.astype(np.uint8).tobytes()))
 
 
-def _assert_disjoint_cover(ds, n):
+def _assert_disjoint_cover(ds, n, raw_x, raw_y):
+    """The splits' indices are disjoint and cover the original training split, AND each
+    split's rows are the original rows at its indices (so the public anchors cannot be private
+    examples under another index)."""
     parts = [set(ds.train_indices.tolist()), set(ds.validation_indices.tolist()),
              set(ds.public_indices.tolist())]
     assert sum(map(len, parts)) == n and set().union(*parts) == set(range(n))
     assert not (parts[0] & parts[1]) and not (parts[0] & parts[2]) and not (parts[1] & parts[2])
+    for split, indices in ((ds.train, ds.train_indices), (ds.validation, ds.validation_indices),
+                           (ds.public, ds.public_indices)):
+        if split is None:
+            assert len(indices) == 0
+            continue
+        np.testing.assert_array_equal(split.images, raw_x[indices])
+        np.testing.assert_array_equal(split.labels, raw_y[indices])
 
 
 @needs_fmnist
@@ -54,7 +64,8 @@ def test_fashion_mnist_loads_from_the_debian_files():
 @needs_fmnist
 def test_carving_is_disjoint_covering_and_deterministic():
     ds = data.load_dataset("fashion_mnist", validation_size=5000, public_size=2000, split_seed=3)
-    _assert_disjoint_cover(ds, 60_000)
+    raw = data._CACHE[("fashion_mnist", str(FMNIST), "pixels", None)][0]
+    _assert_disjoint_cover(ds, 60_000, raw[0], raw[1])
     data._CARVED.clear()  # recompute rather than hit the carving cache
     again = data.load_dataset("fashion_mnist", validation_size=5000, public_size=2000,
                               split_seed=3)
@@ -72,7 +83,8 @@ def test_carving_is_disjoint_covering_and_deterministic():
 def test_public_split_is_disjoint_from_train_and_validation():
     ds = data.load_dataset("digits", validation_size=100, public_size=150, split_seed=7)
     assert ds.public is not None and len(ds.public) == 150 and len(ds.validation) == 100
-    _assert_disjoint_cover(ds, 1797 - data.DIGITS_TEST_SIZE)
+    _assert_disjoint_cover(ds, 1797 - data.DIGITS_TEST_SIZE,
+                           *data._CACHE[("digits", None, "pixels", None)][0][:2])
     assert len(data.load_dataset("digits", validation_size=100).public_indices) == 0
 
 
@@ -176,7 +188,7 @@ def test_tfds_name_downloads_prepares_and_loads_offline(name, shape, tmp_path, m
     assert _rows(test_x, test_y) == _rows(*served.expected["test"])
     n = len(served.expected["train"][1])
     assert (len(ds.train), len(ds.validation), len(ds.public)) == (n - 3, 2, 1)
-    _assert_disjoint_cover(ds, n)
+    _assert_disjoint_cover(ds, n, train_x, train_y)
     for split in (ds.train, ds.validation, ds.public, ds.test):
         assert split.images.dtype == np.float32 and split.labels.dtype == np.int32
         assert 0.0 <= split.images.min() and split.images.max() <= 1.0

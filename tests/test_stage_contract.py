@@ -170,3 +170,9 @@ def test_a_stage_that_lies_about_its_bound_or_its_lipschitz_factor_is_caught():
     with pytest.raises(StageCheckError, match="stretched a difference 5"):
         check_bound(harness_for(stretch))
     check_bound(harness_for(dataclasses.replace(stretch, lipschitz=5.0)))
+    # the same lie by a per-example stage after the clip: declares it halves, passes through
+    shrink = stages.Stage(name="broken.half", kind_in=K.BOUNDED, kind_out=K.BOUNDED,
+                          make=stages.base.stateless(lambda v, s, ctx: v), lipschitz=0.5)
+    with pytest.raises(StageCheckError, match="'broken.half' fails the 'bound' check"):
+        check_bound(harness_for(shrink))
+    check_bound(harness_for(dataclasses.replace(shrink, lipschitz=1.0)))

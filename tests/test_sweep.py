@@ -291,6 +291,28 @@ def test_a_users_protocol_never_publishes_into_the_committed_board_by_default(tm
                                          True) is None
 
 
+def test_a_published_or_finished_trial_is_never_trained_again(tmp_path):
+    """run_job on a trial whose record is published returns it untouched; one that finished
+    under --runs_dir but was not published is published from there. Neither launches a run
+    (the launch log stays empty: a real launch would write it before training)."""
+    job = dict(records=str(tmp_path / "records"), runs_dir=str(tmp_path / "runs"),
+               repo=str(config.REPO_ROOT), group=GROUP, epsilon=3.0, delta=1e-5,
+               method="dpsgd", trial=1, seed=0, gin_files=[], bindings=[])
+    target = tmp_path / "records" / GROUP / "dpsgd-t1-seed0"
+    target.mkdir(parents=True)
+    published = json.dumps({"validation_accuracy": 0.5, "note": "published"}).encode()
+    (target / "run_record.json").write_bytes(published)
+    assert sweep.run_job(job) == dict(validation_accuracy=0.5, diverged=False)
+    assert (target / "run_record.json").read_bytes() == published
+    finished = tmp_path / "runs" / GROUP / "dpsgd-t2-seed0"
+    finished.mkdir(parents=True)
+    (finished / "run_record.json").write_text(json.dumps({"validation_accuracy": 0.7}))
+    assert sweep.run_job(dict(job, trial=2))["validation_accuracy"] == 0.7
+    assert (tmp_path / "records" / GROUP / "dpsgd-t2-seed0" / "run_record.json").read_text() \
+        == (finished / "run_record.json").read_text()
+    assert not (tmp_path / "runs" / sweep.LAUNCH_LOG).exists()
+
+
 def test_a_failed_trial_says_whether_a_rerun_can_help():
     refused = "RuntimeError: rs-t1-seed0 failed (exit 2); log: /x.log:\nBudgetError: ..."
     crashed = "RuntimeError: rs-t1-seed0 failed (exit -9); log: /x.log:\n"
@@ -326,6 +348,14 @@ def test_a_secret_search_publishes_only_each_winner_with_its_papernot_steinke_ep
                        for p in (tmp_path / "records").rglob("*") if p.is_file())
     assert published == [f"{GROUP}/dpsgd-selected/release.json",
                          f"{GROUP}/dpsgd-selected/run_record.json"]
+    # the published run IS the winner on validation (byte for byte), not another trial
+    trials = {t: json.loads((private / "records" / GROUP / f"dpsgd-t{t}-seed0" /
+                             "run_record.json").read_text()) for t in (0, 1)}
+    winner = max(trials, key=lambda t: (trials[t]["validation_accuracy"], -t))
+    assert tuning.search_summary(private / "records" / GROUP)["dpsgd"]["winner"] == winner
+    assert (tmp_path / "records" / GROUP / "dpsgd-selected" / "run_record.json").read_bytes() \
+        == (private / "records" / GROUP / f"dpsgd-t{winner}-seed0" / "run_record.json"
+            ).read_bytes()
     plan_path = tmp_path / "runs" / "secret" / "records" / GROUP / sweep.SEARCH_FILE
     plan = json.loads(plan_path.read_text())
     assert plan["num_trials"] == 2 and plan["trials_law"] == {"shape": 1, "mean_random": 1}

@@ -253,3 +253,27 @@ def test_a_non_private_ledgers_infinite_epsilon_is_compared_as_a_number():
     train.check_ledger_epsilon({"epsilon_spent": "inf"}, 4, math.inf)
     with pytest.raises(train.ResumeError, match="says epsilon inf"):
         train.check_ledger_epsilon({"epsilon_spent": "inf"}, 4, 2.5)
+
+
+def test_gep_anchors_are_the_datasets_public_split():
+    """The run hands GEP the declared public split (carved from train, disjoint from the
+    private examples): the compiled stage's anchor images are exactly its first m rows."""
+    import gin
+    from dpbench import compiler
+
+    config.parse_config(["pipelines/gep", "gin/data/digits.gin"], [
+        "train.batch_size = 64", "train.micro_batch_size = 32", "train.epochs = 1",
+        "dataset.public_size = 48", "gep.embed_and_clip.num_anchors = 40",
+        "gep.embed_and_clip.num_basis = 20"])
+    try:
+        _, stages = train.pipeline_stages()
+        compiler.validate_pipeline(stages)
+        run = train.build_run(stages, train.TrainConfig(), accounting.Budget())
+        states = [s for s in run.initial_state().stage_states
+                  if isinstance(s, dict) and "anchors" in s]
+    finally:
+        gin.clear_config()
+    assert len(states) == 1
+    np.testing.assert_array_equal(np.asarray(states[0]["anchors"]),
+                                  run.dataset.public.images[:40])
+    assert not set(run.dataset.public_indices.tolist()) & set(run.dataset.train_indices.tolist())

@@ -89,7 +89,8 @@ def test_a_stage_that_lies_about_its_bound_is_refused_before_training(tmp_path):
     trained = _dpbench(tmp_path, liar, "liar")
     assert trained.returncode == 2
     assert "stage 'user.loose_clip' fails the 'bound' check" in trained.stderr
-    assert not (tmp_path / "liar-run" / "run_record.json").exists()
+    for written in ("run_record.json", "metrics.jsonl", "checkpoints"):  # nothing trained
+        assert not (tmp_path / "liar-run" / written).exists(), written
     command = Path(sys.executable).parent / "dpbench"
     checked = subprocess.run([str(command), "check", "--gin_file=liar.gin"], cwd=tmp_path,
                              capture_output=True, text=True, timeout=300)

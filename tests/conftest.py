@@ -81,3 +81,24 @@ def random_data(n, shape=(8, 8, 1), num_classes=4, seed=0):
 
 def make_batch(compiled, images, labels, indices, mask, step=0):
     return compiled.host_batch(images[indices], labels[indices], mask, step)
+
+
+def moved_and_mask_after_an_empty_step(masking_stage, model_name="mlp"):
+    """One compiled step of [grad, masking_stage, clip, noise, sgd] on a batch with NO example
+    (so the update is the release's noise alone): (which parameter coordinates moved, the
+    stage's mask in that step), both flattened in the same order."""
+    import jax
+    compiled, init_params, _ = compile_small(
+        [stages.grad.per_example(), masking_stage, stages.clip.global_l2(1.0),
+         stages.noise.gaussian(), stages.optimize.optax_optimizer(optimizer="sgd")],
+        n=64, batch_size=16, micro=8, noise_multiplier=1.0, model_name=model_name)
+    images, labels = random_data(64)
+    params = init_params(jax.random.key(0))
+    state = compiled.init_state(params, jax.random.key(1))
+    b = compiled.sampler.sample(0)
+    new, _ = compiled.step(state, make_batch(compiled, images, labels, b.indices,
+                                             np.zeros_like(b.mask)))
+    (mask_state,) = [s for s in new.stage_states if isinstance(s, dict) and "mask" in s]
+    flat = lambda tree: np.concatenate([np.ravel(np.asarray(x)) for x in jax.tree.leaves(tree)])  # noqa: E731
+    moved = flat(new.params) != flat(params)
+    return moved, flat(mask_state["mask"]) != 0

@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from dpbench import accounting, compiler, models, sampling, stages
-from dpbench.compiler import bookkeeping
+from dpbench.compiler import bookkeeping, per_example
+from dpbench.compiler.lower import _step_key, begin_step_fn
 from tests.conftest import make_batch
 
 MICRO = 8
@@ -36,6 +37,19 @@ def _chain(kind):
              stages.optimize.optax_optimizer(optimizer="sgd", learning_rate=0.5)])
 
 
+def _sum_and_aux(compiled, model, state, batch):
+    """(the clipped sum, its aux {"loss", "nonfinite"}) as the compiled step computes them
+    (``lowered.clipped_sum`` is the same sum without the aux)."""
+    loss_fn = models.cross_entropy_loss(model)
+    begin = begin_step_fn(compiled.plan, loss_fn)
+    summed = per_example.clipped_sum_fn(compiled.plan, loss_fn)
+
+    def sum_and_aux(state, batch):
+        key = _step_key(state)
+        return summed(state.params, begin(state, key), state.step, key, batch)
+    return jax.jit(sum_and_aux)(state, batch)
+
+
 @pytest.mark.parametrize("name,shape,kind", [("tanh_cnn", (28, 28, 1), "dpsgd"),
                                               ("tanh_cnn", (28, 28, 1), "rs"),
                                               ("tanh_cnn", (28, 28, 1), "nasr"),
@@ -57,11 +71,16 @@ def test_same_clipped_sum_either_way(name, shape, kind):
     b.mask[:] = b.mask | (np.arange(len(b.mask)) < 4)
     b.indices[:4] = np.arange(4)  # example 3 (non-finite) is in the batch
     batch = make_batch(fast, images, labels, b.indices, b.mask)
-    got = jax.jit(fast.lowered.clipped_sum)(state, batch)
-    want = jax.jit(slow.lowered.clipped_sum)(state, batch)
+    (got, fast_aux), (want, slow_aux) = (_sum_and_aux(c, model, state, batch)
+                                         for c in (fast, slow))
     for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
         np.testing.assert_allclose(g, w, rtol=2e-4, atol=2e-6)
     assert float(jnp.abs(jax.tree.leaves(got)[0]).sum()) > 0  # not vacuous
+    # both paths detect the non-finite example (for Nasr its zeroed ternary gradient would
+    # leave the sums equal even if one missed it) and sum the same finite losses
+    assert float(fast_aux["nonfinite"]) == float(slow_aux["nonfinite"]) == 1.0
+    np.testing.assert_allclose(fast_aux["loss"], slow_aux["loss"], rtol=1e-4)
+    assert np.isfinite(float(fast_aux["loss"]))
     if kind != "rs" or name != "mlp":
         return  # the whole step once (compiling two more steps per case costs suite time)
     _, fast_metrics = fast.step(state, batch)

@@ -256,8 +256,13 @@ MULTI_DEVICE_SCRIPT = textwrap.dedent("""
         state = compiled.init_state(init_params(jax.random.key(0)), jax.random.key(9))
         for step in range(3):
             b = compiled.sampler.sample(step)
-            state, _ = compiled.step(state, make_batch(compiled, images, labels, b.indices,
-                                                       b.mask))
+            batch = make_batch(compiled, images, labels, b.indices, b.mask)
+            if step == 0:  # how the compiled step takes each batch array: per-device shape
+                (_, placed), _ = compiled.step.lower(state, batch).compile().input_shardings
+                out[name + "_shards"] = {{k: [list(sh.shard_shape(np.shape(batch[k]))),
+                                              len(sh.device_set), list(np.shape(batch[k]))]
+                                          for k, sh in placed.items()}}
+            state, _ = compiled.step(state, batch)
         out[name] = [np.asarray(x).ravel().tolist() for x in jax.tree.leaves(state.params)]
         out[name + "_devices"] = len(devs)
     print("RESULT" + json.dumps(out))
@@ -272,6 +277,11 @@ def test_step_on_8_fake_devices_equals_the_1_device_step():
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.split("RESULT", 1)[1])
     assert out["all_devices"] == 8 and out["one_devices"] == 1
+    # the examples are split over the 8 devices (micro-batch axis), not replicated on each
+    examples = {k: v for k, v in out["all_shards"].items() if len(v[2]) >= 2}
+    assert examples
+    for key, (shard, devices, shape) in examples.items():
+        assert devices == 8 and shard[1] * 8 == shape[1] and shard[0] == shape[0], key
     for a, b in zip(out["one"], out["all"]):
         # identical noise (added once, from the same key), sums up to float reassociation
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)

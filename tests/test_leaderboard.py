@@ -414,3 +414,24 @@ def test_the_baseline_check_fires_on_a_weaker_dpsgd_row_and_only_then():
     assert baseline_check(0.8315 + rng.normal(0, 3e-4, 4), best)["status"] == "ok"
     assert baseline_check([0.826, 0.836, 0.831, 0.829], best)["status"] == "ok"
     assert baseline_check([0.82, 0.83], None)["status"] == "ok"
+
+
+def test_the_junk_rate_counts_diverged_and_far_below_random_trials_only(tmp_path):
+    """Junk: a random trial (j >= 1, seed 0) more than 5 points below the group's best seed-0
+    trial, or diverged; trial 0 and unpublished trials are not counted."""
+    from dpbench import tuning
+    from dpbench.board import paired
+    group = tmp_path / GROUP
+    group.mkdir()
+    (group / tuning.SEARCH_FILE).write_text(json.dumps(
+        {"seeds": [0, 1], "num_trials": 4, "methods": {"dpsgd": {}, "rs": {}}}))
+    outcomes = {("dpsgd", 0): 0.90, ("dpsgd", 1): 0.851, ("dpsgd", 2): 0.849,
+                ("dpsgd", 3): None, ("rs", 0): 0.70, ("rs", 1): 0.86, ("rs", 3): 0.70}
+    for (method, trial), accuracy in outcomes.items():  # rs trial 2: not published yet
+        run = group / f"{method}-t{trial}-seed0"
+        run.mkdir()
+        if accuracy is None:
+            (run / tuning.DIVERGED).write_text("{}")
+        else:
+            (run / "run_record.json").write_text(json.dumps({"test_accuracy": accuracy}))
+    assert paired.junk_rate(group) == (3, 5)  # dpsgd t2 and t3, rs t3; not rs t0 (trial 0)

@@ -406,6 +406,17 @@ def _paired_board_records(finished_sweep, tmp_path, deployment=True):
     return records, group
 
 
+def _v3_row(text: str, method: str) -> dict:
+    """The cells of ``method``'s row in the board's first v3 verdict table, by column name."""
+    from dpbench.board.verdicts import V3_COLUMNS
+    header = "| " + " | ".join(V3_COLUMNS) + " |"
+    table = text[text.index(header):].split("\n\n")[0].splitlines()
+    (row,) = [line for line in table[2:] if line.startswith(f"| {method} |")]
+    cells = [c.strip() for c in row.strip().strip("|").split("|")]
+    assert len(cells) == len(V3_COLUMNS)
+    return dict(zip(V3_COLUMNS, cells))
+
+
 def test_a_paired_group_gets_v3_verdicts_intervals_both_epsilons_and_a_forest_plot(
         finished_sweep, tmp_path):
     from dpbench import board
@@ -446,7 +457,9 @@ def test_a_paired_group_gets_v3_verdicts_intervals_both_epsilons_and_a_forest_pl
     pld.compose(dp_event.ComposedDpEvent([accounting.event_from_json(e) for e in events]))
     assert rs["published_epsilon"] == pytest.approx(pld.get_epsilon(1e-5), rel=2e-2)
     assert rs["published_epsilon"] > rs["deployment_epsilon"]  # 5 runs vs mean K 2, secret
-    assert f"{rs['published_epsilon']:.3f}" in text and f"{rs['deployment_epsilon']:.3f}" in text
+    row = _v3_row(text, "rs")  # each epsilon in its own column
+    assert row["ε, all published"] == f"{rs['published_epsilon']:.3f}"
+    assert row["ε, K secret (deployment)"] == f"{rs['deployment_epsilon']:.3f}"
     assert "Baseline check" in text and "**weaker**" not in text
     board.build(records, tmp_path / "b", claims_json=config.REPO_ROOT / "leaderboard" /
                 "claims.json")
@@ -469,4 +482,7 @@ def test_the_baseline_check_fires_on_a_recorded_stronger_dp_sgd(finished_sweep, 
     board.build(records, tmp_path / "a", history=[history])
     text = (tmp_path / "a" / "README.md").read_text()
     assert "**weaker**" in text and "99.55" in text
-    assert "n/a" in text  # no deployment law: no secret-K epsilon
+    # no deployment law: no secret-K epsilon, while the published one is a number
+    row = _v3_row(text, "rs")
+    assert row["ε, K secret (deployment)"] == "n/a"
+    assert float(row["ε, all published"]) > 0

@@ -44,18 +44,21 @@ def check_best_step_follows_validation(workdir):
     """Runs the train loop's evaluation (train._maybe_evaluate, as _train_loop calls it) over
     three steps whose 'model' predicts one class: validation prefers step 2, test step 1. The
     best step, its params and the logged accuracies (what the run record reports) must be
-    validation's."""
+    validation's, and of the evaluation params (``CompiledPipeline.evaluation_params``)."""
     validation, test = _split([0, 0, 0, 1, 1, 2]), _split([1, 1, 1, 0, 0, 2])
+    # the loop evaluates what the compiled pipeline names (the debiased EMA in a real run),
+    # never the raw params: here those predict class 9, which no split holds
     run = SimpleNamespace(dataset=SimpleNamespace(validation=validation, test=test),
                           steps_per_epoch=1.0,
-                          compiled=SimpleNamespace(evaluation_params=lambda state: state.params))
+                          compiled=SimpleNamespace(evaluation_params=lambda s: s.ema_params))
     loop = train._Loop(run=run, config=config.TrainConfig(eval_every_steps=1), workdir=workdir,
                        ckpts=None, settings={}, wall_start=0.0,
                        eval_fn=lambda params, x, y: int(np.sum(y == params["predicts"])))
     progress = train.Progress(best={"validation_accuracy": -1.0, "step": 0, "params": None})
     predicted = {1: 1, 2: 0, 3: 2}  # step -> the class its model predicts
     for step, label in predicted.items():
-        state = SimpleNamespace(params={"predicts": np.asarray(label)}, ema_params=None)
+        state = SimpleNamespace(params={"predicts": np.asarray(9)},
+                                ema_params={"predicts": np.asarray(label)})
         train._maybe_evaluate(loop, state, progress, step, end_step=3)
     logged = [row["validation_accuracy"] for row in records.read_metrics(workdir)]
     assert logged == [2 / 6, 3 / 6, 1 / 6], f"the selection scores are not validation's: {logged}"

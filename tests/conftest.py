@@ -53,8 +53,11 @@ def small_model(shape=(8, 8, 1), num_classes=4, name="logistic"):
 
 def compile_small(stage_list, *, n=64, batch_size=16, micro=8, noise_multiplier=None,
                   budget=None, total_steps=10, mesh=None, shape=(8, 8, 1), model_name="logistic",
-                  padded_batch_size=None, seed=0, public_images=None, ema_decay=0.0):
-    _, loss_fn, init_params = small_model(shape, name=model_name)
+                  padded_batch_size=None, seed=0, public_images=None, ema_decay=0.0,
+                  book_keeping=False):
+    """book_keeping: hand the compiler the model, so a chain it allows runs in book-keeping form
+    (as real runs do); without it the per-example gradients are materialized."""
+    model, loss_fn, init_params = small_model(shape, name=model_name)
     sampler = sampling.PoissonSampler(n, batch_size, seed=seed, pad_multiple=micro,
                                       padded_batch_size=padded_batch_size)
     budget = budget or accounting.Budget(epsilon=3.0, delta=1e-5)
@@ -62,7 +65,8 @@ def compile_small(stage_list, *, n=64, batch_size=16, micro=8, noise_multiplier=
         stage_list, loss_fn=loss_fn, init_params=init_params, example_shape=shape,
         sampler=sampler, budget=budget, total_steps=total_steps, steps_per_epoch=4,
         micro_batch_size=micro, mesh=mesh, noise_multiplier=noise_multiplier,
-        public_images=public_images, num_classes=4, ema_decay=ema_decay)
+        public_images=public_images, num_classes=4, ema_decay=ema_decay,
+        model=model if book_keeping else None)
     return compiled, init_params, loss_fn
 
 

@@ -248,10 +248,13 @@ MULTI_DEVICE_SCRIPT = textwrap.dedent("""
     from tests.conftest import compile_small, dpsgd_stages, make_batch, random_data
     devices = jax.devices()
     out = {{}}
-    for name, devs in (("one", devices[:1]), ("all", devices)):
+    for name, devs, book_keeping in (("one", devices[:1], False), ("all", devices, False),
+                                     ("one_bk", devices[:1], True), ("all_bk", devices, True)):
         mesh = Mesh(np.asarray(devs), ("data",))
         compiled, init_params, _ = compile_small(dpsgd_stages(learning_rate=0.5), n=128,
-            batch_size=32, micro=16, noise_multiplier=1.1, mesh=mesh, model_name="mlp")
+            batch_size=32, micro=16, noise_multiplier=1.1, mesh=mesh, model_name="mlp",
+            book_keeping=book_keeping)
+        out[name + "_strategy"] = compiled.plan.strategy
         images, labels = random_data(128, seed=4)
         state = compiled.init_state(init_params(jax.random.key(0)), jax.random.key(9))
         for step in range(3):
@@ -278,13 +281,18 @@ def test_step_on_8_fake_devices_equals_the_1_device_step():
     out = json.loads(proc.stdout.split("RESULT", 1)[1])
     assert out["all_devices"] == 8 and out["one_devices"] == 1
     # the examples are split over the 8 devices (micro-batch axis), not replicated on each
-    examples = {k: v for k, v in out["all_shards"].items() if len(v[2]) >= 2}
-    assert examples
-    for key, (shard, devices, shape) in examples.items():
-        assert devices == 8 and shard[1] * 8 == shape[1] and shard[0] == shape[0], key
-    for a, b in zip(out["one"], out["all"]):
-        # identical noise (added once, from the same key), sums up to float reassociation
-        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    for shards in (out["all_shards"], out["all_bk_shards"]):
+        examples = {k: v for k, v in shards.items() if len(v[2]) >= 2}
+        assert examples
+        for key, (shard, devices, shape) in examples.items():
+            assert devices == 8 and shard[1] * 8 == shape[1] and shard[0] == shape[0], key
+    # both per-example strategies (book-keeping is what real runs of these models use)
+    assert (out["all_strategy"], out["all_bk_strategy"]) == ("materialized", "bookkeeping")
+    for one, many in (("one", "all"), ("one_bk", "all_bk")):
+        assert out[one] and len(out[one]) == len(out[many])
+        for a, b in zip(out[one], out[many]):
+            # identical noise (added once, from the same key), sums up to float reassociation
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
 def test_nonfinite_per_example_gradient_is_zeroed_at_the_clip_and_counted():

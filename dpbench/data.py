@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import gzip
+import json
 import os
 import zlib
 from pathlib import Path
@@ -218,8 +219,8 @@ def load_dataset(name: str = gin.REQUIRED, data_dir: Optional[str] = None,
     ``features`` other than 'pixels' replaces every image by its features (features.py; the
     original train and test splits are transformed, then carved, and cached on disk in
     ``feature_cache_dir``, default ``features.default_cache_dir()``).
-    Parsed arrays are cached per (name, data_dir, features) and recent carvings per full
-    argument set, so repeated loads in one process are (nearly) free; all arrays are read-only.
+    Parsed arrays are cached per (name, data_dir, features with their settings) and recent
+    carvings per full argument set, so repeated loads in one process are (nearly) free; all arrays are read-only.
     Raises ValueError for an unknown name, features or bad sizes, FileNotFoundError if no data
     is found.
     """
@@ -233,8 +234,12 @@ def load_dataset(name: str = gin.REQUIRED, data_dir: Optional[str] = None,
         data_dir = os.path.abspath(os.fspath(data_dir or FASHION_MNIST_DIR))
     elif data_dir is not None:
         data_dir = os.fspath(data_dir)
-    features_lib.make_transform(features)  # an unknown name fails before any loading
-    key = (name, data_dir, features, feature_cache_dir)
+    transform = features_lib.make_transform(features)  # an unknown name fails before loading
+    # the in-process cache is keyed by the transform's settings (scattering.J, L, ...), not only
+    # its name: loading again after a settings change must not reuse the old features
+    settings = features if transform is None else json.dumps(transform.describe(),
+                                                             sort_keys=True)
+    key = (name, data_dir, settings, feature_cache_dir)
     full_key = (*key, int(validation_size), int(public_size), int(split_seed))
     if full_key in _CARVED:
         return _CARVED[full_key]

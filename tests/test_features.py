@@ -64,12 +64,13 @@ def test_the_cache_is_keyed_validated_and_rebuilt_when_corrupt(tmp_path, monkeyp
     assert calls == []  # a valid entry is read, not recomputed
     # another parameter, another split or other pixels: another key, recomputed
     features.cached_features(images, transform=features.Scattering(J=1), **kwargs)
+    features.cached_features(images, transform=features.Scattering(L=4), **kwargs)
     changed = images.copy()
     changed[3, 0, 0, 0] += 0.5
     features.cached_features(changed, transform=features.Scattering(), **kwargs)
     features.cached_features(images, transform=features.Scattering(), dataset="toy",
                              split="test", directory=tmp_path)
-    assert len(calls) == 3 and len(list(tmp_path.glob("*.npy"))) == 4
+    assert len(calls) == 4 and len(list(tmp_path.glob("*.npy"))) == 5
 
     # a truncated file is refused, naming it, then rebuilt (never used)
     path.write_bytes(path.read_bytes()[:-100])
@@ -81,7 +82,7 @@ def test_the_cache_is_keyed_validated_and_rebuilt_when_corrupt(tmp_path, monkeyp
         again = features.cached_features(images, transform=features.Scattering(), **kwargs)
     assert str(path) in caplog.text and "rebuilding" in caplog.text
     np.testing.assert_array_equal(again, first)
-    assert len(calls) == 4
+    assert len(calls) == 5
     np.testing.assert_array_equal(features.load_cached(path, key), first)  # repaired
     # same length, flipped bytes: the checksum catches it
     raw = bytearray(path.read_bytes())
@@ -104,3 +105,25 @@ def test_a_dataset_of_features_is_carved_like_its_pixels(tmp_path):
         np.testing.assert_array_equal(got.labels, want.labels)
         np.testing.assert_array_equal(got.images, transform(want.images))
     assert not scat.train.images.flags.writeable
+
+
+def test_new_scattering_settings_in_the_same_process_give_new_features(tmp_path):
+    """The in-process dataset cache is keyed by the transform's settings: binding another
+    scattering.J (or L) and loading again computes the features anew, never the stale ones."""
+    import gin
+    load = lambda: data.load_dataset("digits", validation_size=100, features="scattering",  # noqa: E731
+                                     feature_cache_dir=str(tmp_path))
+    try:
+        default = load()
+        gin.parse_config("scattering.J = 1")
+        one = load()
+        gin.parse_config("scattering.J = 2\nscattering.L = 4")
+        four = load()
+    finally:
+        gin.clear_config()
+    assert (default.features["J"], default.features["L"]) == (2, 8)
+    assert one.features["J"] == 1 and one.input_shape == (4, 4, 9)
+    assert four.features["L"] == 4 and four.input_shape == (2, 2, 25)
+    np.testing.assert_array_equal(one.train.images,
+                                  features.Scattering(J=1)(data.load_dataset(
+                                      "digits", validation_size=100).train.images))

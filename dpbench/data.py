@@ -220,7 +220,8 @@ def load_dataset(name: str = gin.REQUIRED, data_dir: Optional[str] = None,
     original train and test splits are transformed, then carved, and cached on disk in
     ``feature_cache_dir``, default ``features.default_cache_dir()``).
     Parsed arrays are cached per (name, data_dir, features with their settings) and recent
-    carvings per full argument set, so repeated loads in one process are (nearly) free; all arrays are read-only.
+    carvings per full argument set, so repeated loads in one process are (nearly) free; all
+    arrays are read-only.
     Raises ValueError for an unknown name, features or bad sizes, FileNotFoundError if no data
     is found.
     """

@@ -33,6 +33,10 @@ from pathlib import Path
 from dpbench import methods
 
 SPEC_KINDS = ("log_uniform", "uniform", "choice", "value")
+# the keys each level may hold: a typo ("exlude", "spcae") is refused, never silently ignored
+PROTOCOL_KEYS = {"delta", "epsilons", "seeds", "trials", "families", "method_dirs", "about"}
+FAMILY_KEYS = {"gin_files", "base", "space", "methods", "about", "space_is", "base_is"}
+INLINE_METHOD_KEYS = {"gin_file", "about"} | methods.SEARCH_KEYS
 TRIAL_COUNT_KEYS = ("shape", "mean_random", "seed")
 
 
@@ -184,6 +188,16 @@ def _check_method_space(where: str, family: dict, m: dict) -> None:
     _check_derived(where, specs, {**aliases, **specs})
 
 
+def _check_keys(where: str, entry, known: set) -> None:
+    if not isinstance(entry, dict):
+        raise ProtocolError(f"{where}: expected an object with keys among {sorted(known)}, "
+                            f"got {entry!r}")
+    unknown = sorted(set(entry) - known)
+    if unknown:
+        raise ProtocolError(f"{where}: unknown keys {unknown}; the known ones are "
+                            f"{', '.join(sorted(known))}")
+
+
 def load_protocol(path) -> dict:
     """The protocol file, validated (every error names the file and the key), with each
     family's methods resolved to their entries."""
@@ -195,6 +209,12 @@ def load_protocol(path) -> dict:
     for key in ("delta", "epsilons", "seeds", "trials", "families"):
         if key not in protocol:
             raise ProtocolError(f"{path}: missing '{key}'")
+    _check_keys(f"{path}", protocol, PROTOCOL_KEYS)
+    for family, spec in protocol["families"].items():
+        _check_keys(f"{path}: family {family}", spec, FAMILY_KEYS)
+        if isinstance(spec.get("methods"), dict):  # inline entries (folders are checked apart)
+            for method, m in spec["methods"].items():
+                _check_keys(f"{path}: family {family} method {method}", m, INLINE_METHOD_KEYS)
     _check_trial_law(path, protocol["trials"])
     _resolve_methods(path, protocol)
     for family, spec in protocol["families"].items():

@@ -165,6 +165,28 @@ def test_a_bad_space_is_refused_naming_the_key(tmp_path, space, message):
     assert str(path) in str(e.value) and list(space)[0] in str(e.value)
 
 
+@pytest.mark.parametrize("break_it, where, key", [
+    (lambda p: p.update(trails_typo=1), "", "trails_typo"),
+    (lambda p: p["families"]["digits__logistic"].update(spcae={}), "family digits__logistic",
+     "spcae"),
+    (lambda p: p["families"]["digits__logistic"]["methods"]["gep"].update(
+        exlude=["train.epochs"]), "family digits__logistic method gep", "exlude"),
+    (lambda p: p["families"]["digits__logistic"]["methods"]["dpsgd"].update(
+        shared_ass={}), "family digits__logistic method dpsgd", "shared_ass"),
+])
+def test_an_unknown_key_at_any_level_is_refused_naming_it(tmp_path, break_it, where, key):
+    """A typo must not silently mean 'no search' ("spcae") or bind a key the method meant to
+    drop ("exlude"): every level of the protocol accepts only its known keys."""
+    path = tmp_path / "protocol.json"
+    good = protocol()
+    path.write_text(__import__("json").dumps(good))
+    tuning.load_protocol(path)  # the same protocol without the typo loads
+    break_it(good)
+    path.write_text(__import__("json").dumps(good))
+    with pytest.raises(tuning.ProtocolError, match=rf"{where}.*unknown keys \['{key}'\]"):
+        tuning.load_protocol(path)
+
+
 def test_every_trial_of_the_boards_protocol_is_a_valid_configuration():
     """Each method's trial 0 and a drawn trial parse with its pipeline and family files (gin
     checks every name), and the drawn values of privacy keys come from the support."""

@@ -46,6 +46,22 @@ def test_cli_trains_and_writes_a_record_with_a_privacy_statement(tmp_path):
     assert again.returncode == 2 and "finished run" in again.stderr
 
 
+def test_a_run_that_diverges_exits_2_with_the_error_and_no_record(tmp_path):
+    """Runtime faults (here a divergence; a corrupt checkpoint takes the same path) reach the
+    user as `dpbench: error: ...` and exit status 2, not a traceback; no record is written."""
+    workdir = tmp_path / "run"
+    proc = subprocess.run(
+        [sys.executable, "-m", "dpbench.main", *[f"--gin_file={f}" for f in DIGITS],
+         "--gin_bindings=optimize.optax.learning_rate = 1e38",
+         "--gin_bindings=optimize.optax.momentum = 0.0", "--gin_bindings=train.epochs = 1",
+         "--gin_bindings=train.checkpoint_every_steps = 1", f"--workdir={workdir}"],
+        cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "dpbench: error: " in proc.stderr and "last good checkpoint is step" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert not (workdir / "run_record.json").exists()
+
+
 def test_shuffled_batches_are_flagged_in_the_record(tmp_path):
     record = run_in_process(tmp_path, bindings=["sampler.allow_shuffled_batches = True",
                                                 "train.epochs = 1"])

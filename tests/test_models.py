@@ -105,6 +105,13 @@ def test_group_norm_is_per_example_and_unknown_names_fail():
     full = model.apply(params, x)
     single = jnp.concatenate([model.apply(params, x[i:i + 1]) for i in range(4)])
     np.testing.assert_allclose(full, single, atol=1e-5)  # no cross-example mixing
+    # the GroupNorm layers are there (with their scale and bias) and normalize: the same model
+    # without them gives other outputs on the same parameters' convolutions
+    norms = [k for k in params["params"] if k.startswith("GroupNorm")]
+    assert len(norms) == 2 and {"scale", "bias"} <= set(params["params"][norms[0]])
+    plain = models.make_model(10, name="tanh_cnn")
+    without = {"params": {k: v for k, v in params["params"].items() if k not in norms}}
+    assert not np.allclose(plain.apply(without, x), full, atol=1e-3)
     with pytest.raises(ValueError, match="unknown model 'vgg'"):
         models.make_model(10, name="vgg")
 

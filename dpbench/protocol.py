@@ -33,6 +33,8 @@ from pathlib import Path
 from dpbench import methods
 
 SPEC_KINDS = ("log_uniform", "uniform", "choice", "value")
+# space keys that always change a run's DpEvent: they must be declared "privacy": true
+DP_EVENT_KEYS = ("train.batch_size", "train.epochs")
 # the keys each level may hold: a typo ("exlude", "spcae") is refused, never silently ignored
 PROTOCOL_KEYS = {"delta", "epsilons", "seeds", "trials", "families", "method_dirs", "about"}
 FAMILY_KEYS = {"gin_files", "base", "space", "methods", "about", "space_is", "base_is"}
@@ -89,6 +91,10 @@ def _check_spec(where: str, key: str, spec) -> None:
                                 f"lo < hi{' and lo > 0' if kind == 'log_uniform' else ''}")
     if kind == "choice" and not spec["choice"]:
         raise ProtocolError(f"{where}: {key} has no choices")
+    if key in DP_EVENT_KEYS and not spec.get("privacy"):
+        raise ProtocolError(f"{where}: {key} changes the run's DpEvent (its sampling rate or "
+                            "step count): declare it with \"privacy\": true so the search's "
+                            "epsilon covers every value it can take")
     if spec.get("privacy") and (kind not in ("choice", "value") or "over" in spec
                                 or "times" in spec):
         raise ProtocolError(f"{where}: {key} changes the run's DpEvent (\"privacy\": true), so "

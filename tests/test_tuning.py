@@ -156,6 +156,8 @@ def test_trials_are_the_recipe_then_draws_from_the_space(tmp_path):
     ({"train.epochs": {"between": [1, 2]}}, "must be one of"),
     ({"optimize.optax.learning_rate": {"log_uniform": [0.0, 1.0]}}, "lo > 0"),
     ({"optimize.optax.learning_rate": {"uniform": [2.0, 1.0]}}, "lo < hi"),
+    ({"train.epochs": {"choice": [1, 2]}}, "privacy\": true"),  # refused at load, not after
+    ({"train.batch_size": {"value": 256}}, "privacy\": true"),  # every trial has run
 ])
 def test_a_bad_space_is_refused_naming_the_key(tmp_path, space, message):
     path = tmp_path / "protocol.json"

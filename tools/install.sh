@@ -5,15 +5,22 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 extras="${1:-}"
 
-if [ ! -f /usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz ]; then
-  SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
+PY="${PYTHON:-python3}"
+SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
+packages=()
+[ -f /usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz ] \
+  || packages+=(dataset-fashion-mnist)
+# Debian's python3 makes venvs only with python3-venv (ensurepip); without it `venv` fails
+# after creating a half venv with no pip
+"$PY" -c "import ensurepip" 2>/dev/null || packages+=(python3-venv)
+if [ "${#packages[@]}" -gt 0 ]; then
   $SUDO apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq dataset-fashion-mnist >/dev/null
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${packages[@]}" >/dev/null
 fi
 
-PY="${PYTHON:-python3}"
-if [ ! -x .venv/bin/python ]; then
-  "$PY" -m venv .venv
+# a venv without pip is an earlier failed attempt: make it again
+if [ ! -x .venv/bin/python ] || ! .venv/bin/python -m pip --version >/dev/null 2>&1; then
+  "$PY" -m venv --clear .venv
 fi
 # pip's own failures stop the script (pipefail); only grep's "nothing left to print" is ignored.
 quiet_pip() { .venv/bin/python -m pip "$@" 2>&1 | { grep -v "^WARNING: Location" || true; }; }

@@ -298,7 +298,8 @@ def audit_main(argv) -> None:
     --out writes) the report; exits 1 when the audit flags the pipeline, 2 on bad input."""
     del argv
     if not FLAGS.gin_file:
-        raise app.UsageError("give --gin_file, e.g. pipelines/dpsgd/pipeline.gin")
+        raise app.UsageError("give --gin_file, e.g. pipelines/dpsgd/pipeline.gin",
+                             exitcode=config.BAD_INPUT_EXIT)
     try:
         config.parse_config(FLAGS.gin_file, list(FLAGS.gin_bindings) + list(AUDIT_BINDINGS))
         name, stages = config.pipeline_stages()
@@ -327,7 +328,7 @@ def audit_main(argv) -> None:
 
 def run() -> None:
     define_flags()
-    app.run(audit_main)
+    app.run(audit_main, flags_parser=config.parse_flags_or_exit)
 
 
 if __name__ == "__main__":

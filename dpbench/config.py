@@ -27,6 +27,19 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 flags.DEFINE_multi_string("gin_file", [], "Gin files, applied in order (later ones override).")
 flags.DEFINE_multi_string("gin_bindings", [], "Gin bindings, applied after the files.")
 
+BAD_INPUT_EXIT = 2  # every dpbench command's exit status on bad input (audit's 1 is 'flagged')
+
+
+def parse_flags_or_exit(argv: list) -> list:
+    """absl's flag parsing (``app.run(..., flags_parser=)``), except that an unknown or
+    malformed flag is bad input like any other: ``dpbench: error: ...`` and exit 2 (absl's
+    own exit status 1 would read as 'flagged' from ``dpbench audit``)."""
+    try:
+        return flags.FLAGS(argv)
+    except flags.Error as e:
+        print(f"dpbench: error: {e} ({argv[0]} --help lists the flags)", file=sys.stderr)
+        sys.exit(BAD_INPUT_EXIT)
+
 
 class ConfigError(ValueError):
     """A configuration that cannot run; the message says what to change."""

@@ -19,9 +19,11 @@ flags.DEFINE_bool("overwrite", False, "Start again in a --workdir that holds a f
 def main(argv) -> None:
     del argv
     if not FLAGS.workdir:
-        raise app.UsageError("--workdir is required (where the run writes its record)")
+        raise app.UsageError("--workdir is required (where the run writes its record)",
+                             exitcode=config.BAD_INPUT_EXIT)
     if not FLAGS.gin_file:
-        raise app.UsageError("give at least one --gin_file, e.g. pipelines/dpsgd/pipeline.gin")
+        raise app.UsageError("give at least one --gin_file, e.g. pipelines/dpsgd/pipeline.gin",
+                             exitcode=config.BAD_INPUT_EXIT)
     try:
         config.parse_config(FLAGS.gin_file, FLAGS.gin_bindings)
         train.train(FLAGS.workdir, gin_files=FLAGS.gin_file, overwrite=FLAGS.overwrite)
@@ -38,7 +40,8 @@ def check_main(argv) -> None:
     that is not dpbench's own (dpbench/stage_check.py) and says what each passed."""
     del argv
     if not FLAGS.gin_file:
-        raise app.UsageError("give at least one --gin_file, e.g. my_methods/mine/pipeline.gin")
+        raise app.UsageError("give at least one --gin_file, e.g. my_methods/mine/pipeline.gin",
+                             exitcode=config.BAD_INPUT_EXIT)
     from dpbench import stage_check
     try:
         config.parse_config(FLAGS.gin_file, FLAGS.gin_bindings)
@@ -108,7 +111,7 @@ def run():
         return
     if {"-h", "--help"} & set(rest):
         sys.exit(_flags_help(command, COMMANDS[command], ("dpbench.config", "dpbench.main")))
-    app.run(check_main if command == "check" else main)
+    app.run(check_main if command == "check" else main, flags_parser=config.parse_flags_or_exit)
 
 
 def _flags_help(command: str, what: str, modules: tuple) -> int:

@@ -62,6 +62,18 @@ def test_a_run_that_diverges_exits_2_with_the_error_and_no_record(tmp_path):
     assert not (workdir / "run_record.json").exists()
 
 
+@pytest.mark.parametrize("args,message", [
+    (["train", "--bogus=1", "--workdir=unused"], "dpbench: error: Unknown command line flag"),
+    (["audit", "--bogus=1"], "dpbench: error: Unknown command line flag"),  # 1 means flagged
+    (["check"], "give at least one --gin_file"),
+])
+def test_a_bad_or_missing_flag_exits_2_naming_it(args, message, tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "dpbench.main", *args], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert message in proc.stderr and "Traceback" not in proc.stderr
+
+
 def test_shuffled_batches_are_flagged_in_the_record(tmp_path):
     record = run_in_process(tmp_path, bindings=["sampler.allow_shuffled_batches = True",
                                                 "train.epochs = 1"])

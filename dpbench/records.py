@@ -7,8 +7,8 @@ import json
 import math
 import os
 import platform
+import secrets
 import subprocess
-import tempfile
 from importlib import metadata
 from pathlib import Path
 
@@ -18,34 +18,20 @@ PACKAGES = ("jax", "jaxlib", "flax", "optax", "dp-accounting", "gin-config", "or
             "numpy")
 
 
-def _umask() -> int:
-    """The process umask, read without changing it where Linux shows it (another thread may be
-    creating files: setting it to 0 even briefly would give those files mode 0666)."""
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("Umask:"):
-                return int(line.split()[1], 8)
-    except OSError:
-        pass
-    mask = os.umask(0o077)  # elsewhere reading means setting; the safe side, put straight back
-    os.umask(mask)
-    return mask
-
-
 def atomic_write(path: Path, write) -> None:
     """Calls ``write(f)`` on a binary file in ``path``'s directory, then renames it to ``path``:
     a crash leaves either the old file or the new one, never a half-written one. The file gets
-    the mode a plain ``open`` would give it (0666 less the umask; mkstemp's own is 0600, which
-    left records and the board unreadable to other users)."""
+    the mode a plain ``open`` would give it: created with 0666 the kernel applies the umask
+    (mkstemp's 0600 left records and the board unreadable to other users)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    tmp = str(path.with_name(f".{path.name}.{secrets.token_hex(8)}.tmp"))
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
     try:
         with os.fdopen(fd, "wb") as f:
             write(f)
             f.flush()
             os.fsync(f.fileno())
-        os.chmod(tmp, 0o666 & ~_umask())
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):

@@ -64,22 +64,18 @@ def test_the_trial_count_has_the_declared_mean(shape):
 def _trial_count_pmf(mean: float, shape: float, j_max: int) -> np.ndarray:
     """P[J = j], j = 0..j_max, from the law's definition (Papernot & Steinke): Poisson(mean)
     for shape inf; else proportional to C(j + shape - 1, j) (1 - gamma)^j on j >= 1 (shape 0:
-    (1 - gamma)^j / j), gamma from dp_accounting's inversion of the mean."""
+    (1 - gamma)^j / j), gamma from dp_accounting's inversion of the mean, normalised over
+    j = 1..20 j_max (the rest of the tail is negligible)."""
     from dp_accounting.rdp import rdp_privacy_accountant
     j = np.arange(j_max + 1, dtype=np.float64)
     if shape == math.inf:
         return scipy.stats.poisson(mean).pmf(j)
     gamma = rdp_privacy_accountant._gamma_truncated_negative_binomial(shape, mean)
-    with np.errstate(divide="ignore"):
-        log_w = (j * np.log1p(-gamma) - np.log(j) if shape == 0 else
-                 scipy.special.gammaln(j + shape) - scipy.special.gammaln(shape)
-                 - scipy.special.gammaln(j + 1) + j * np.log1p(-gamma))
-    w = np.where(j >= 1, np.exp(log_w), 0.0)
-    tail_j = np.arange(j_max + 1, 20 * j_max, dtype=np.float64)  # normalise over the far tail
-    tail = (np.exp(tail_j * np.log1p(-gamma) - np.log(tail_j)) if shape == 0 else np.exp(
-        scipy.special.gammaln(tail_j + shape) - scipy.special.gammaln(shape)
-        - scipy.special.gammaln(tail_j + 1) + tail_j * np.log1p(-gamma)))
-    return w / (w.sum() + tail.sum())
+    k = np.arange(1, 20 * j_max, dtype=np.float64)
+    log_w = k * np.log1p(-gamma) + (-np.log(k) if shape == 0 else scipy.special.gammaln(
+        k + shape) - scipy.special.gammaln(shape) - scipy.special.gammaln(k + 1))
+    w = np.exp(log_w)
+    return np.concatenate([[0.0], w[:j_max]]) / w.sum()
 
 
 @pytest.mark.parametrize("shape", SHAPES)

@@ -157,7 +157,7 @@ def _bounded_sum_bound(compiled) -> float:
 
 def check_bound(h: Harness) -> None:
     rng = np.random.default_rng()
-    clipped_sum = jax.jit(h.compiled.lowered.clipped_sum)
+    clipped_sum = jax.jit(lambda state, batch: h.compiled.lowered.clipped_sum(state, batch)[0])
     plan = h.compiled.plan
     bound, parts = _bounded_sum_bound(h.compiled), plan.stages[plan.validated.clip_index].parts
     first = h.compiled.sampler.sample(0).indices[0]

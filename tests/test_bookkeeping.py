@@ -10,8 +10,7 @@ import numpy as np
 import pytest
 
 from dpbench import accounting, compiler, models, sampling, stages
-from dpbench.compiler import bookkeeping, per_example
-from dpbench.compiler.lower import _step_key, begin_step_fn
+from dpbench.compiler import bookkeeping
 from tests.conftest import make_batch
 
 MICRO = 8
@@ -37,17 +36,9 @@ def _chain(kind):
              stages.optimize.optax_optimizer(optimizer="sgd", learning_rate=0.5)])
 
 
-def _sum_and_aux(compiled, model, state, batch):
-    """(the clipped sum, its aux {"loss", "nonfinite"}) as the compiled step computes them
-    (``lowered.clipped_sum`` is the same sum without the aux)."""
-    loss_fn = models.cross_entropy_loss(model)
-    begin = begin_step_fn(compiled.plan, loss_fn)
-    summed = per_example.clipped_sum_fn(compiled.plan, loss_fn)
-
-    def sum_and_aux(state, batch):
-        key = _step_key(state)
-        return summed(state.params, begin(state, key), state.step, key, batch)
-    return jax.jit(sum_and_aux)(state, batch)
+def _sum_and_aux(compiled, state, batch):
+    """(the clipped sum, its aux {"loss", "nonfinite"}) as the compiled step computes them."""
+    return jax.jit(compiled.lowered.clipped_sum)(state, batch)
 
 
 @pytest.mark.parametrize("name,shape,kind", [("tanh_cnn", (28, 28, 1), "dpsgd"),
@@ -71,7 +62,7 @@ def test_same_clipped_sum_either_way(name, shape, kind):
     b.mask[:] = b.mask | (np.arange(len(b.mask)) < 4)
     b.indices[:4] = np.arange(4)  # example 3 (non-finite) is in the batch
     batch = make_batch(fast, images, labels, b.indices, b.mask)
-    (got, fast_aux), (want, slow_aux) = (_sum_and_aux(c, model, state, batch)
+    (got, fast_aux), (want, slow_aux) = (_sum_and_aux(c, state, batch)
                                          for c in (fast, slow))
     for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
         np.testing.assert_allclose(g, w, rtol=2e-4, atol=2e-6)

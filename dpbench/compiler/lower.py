@@ -45,8 +45,9 @@ def _post_release(plan: Plan, value, states, ctx, upto: int):
 class Lowered(NamedTuple):
     step: Callable        # (TrainState, batch) -> (TrainState, metrics), not yet jitted
     init_state: Callable  # (params, key, release_batch=None) -> TrainState
-    # (TrainState, batch) -> the noise-free clipped sum at the step's begin-step state: what the
-    # release's sensitivity bounds (for tests and audits; never released as is).
+    # (TrainState, batch) -> (the noise-free clipped sum at the step's begin-step state, its aux
+    # {"loss", "nonfinite"}), exactly as the step computes them: the sum is what the release's
+    # sensitivity bounds (for tests and audits; never released as is).
     clipped_sum: Callable
     # TrainState -> the parameters a run evaluates and reports: the debiased EMA, or the params
     evaluation_params: Callable
@@ -61,7 +62,7 @@ def lower(plan: Plan, acct: Accounting, *, loss_fn: Callable, expected_batch_siz
 
     def clipped_sum_at(state: TrainState, batch: dict):
         key = _step_key(state)
-        return clipped_sum(state.params, begin_step(state, key), state.step, key, batch)[0]
+        return clipped_sum(state.params, begin_step(state, key), state.step, key, batch)
 
     return Lowered(step=step, init_state=_make_init_state(plan, acct, loss_fn, ema_decay),
                    clipped_sum=clipped_sum_at, evaluation_params=_evaluation_params_fn(ema_decay))

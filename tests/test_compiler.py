@@ -245,26 +245,35 @@ MULTI_DEVICE_SCRIPT = textwrap.dedent("""
     import jax, numpy as np
     from jax.sharding import Mesh
     sys.path.insert(0, {root!r})
+    from dpbench import stages
     from tests.conftest import compile_small, dpsgd_stages, make_batch, random_data
+    def gip_stages():  # GIP's index release draws host randomness every step (replicated)
+        dpsgd = dpsgd_stages(learning_rate=0.5)
+        return dpsgd[:2] + [stages.select.gip(group_size=8, k_end=0.5)] + dpsgd[2:]
     devices = jax.devices()
     out = {{}}
-    for name, devs, book_keeping in (("one", devices[:1], False), ("all", devices, False),
-                                     ("one_bk", devices[:1], True), ("all_bk", devices, True)):
+    for name, devs, book_keeping, chain in (
+            ("one", devices[:1], False, dpsgd_stages), ("all", devices, False, dpsgd_stages),
+            ("one_bk", devices[:1], True, dpsgd_stages), ("all_bk", devices, True, dpsgd_stages),
+            ("one_gip", devices[:1], False, gip_stages), ("all_gip", devices, False, gip_stages)):
         mesh = Mesh(np.asarray(devs), ("data",))
-        compiled, init_params, _ = compile_small(dpsgd_stages(learning_rate=0.5), n=128,
-            batch_size=32, micro=16, noise_multiplier=1.1, mesh=mesh, model_name="mlp",
-            book_keeping=book_keeping)
+        gip = chain is gip_stages  # its sigma calibrated (its index budget needs the target)
+        compiled, init_params, _ = compile_small(chain() if gip else chain(learning_rate=0.5),
+            n=128, batch_size=32, micro=16, noise_multiplier=None if gip else 1.1, mesh=mesh,
+            model_name="mlp", book_keeping=book_keeping)
         out[name + "_strategy"] = compiled.plan.strategy
         images, labels = random_data(128, seed=4)
         state = compiled.init_state(init_params(jax.random.key(0)), jax.random.key(9))
         for step in range(3):
             b = compiled.sampler.sample(step)
-            batch = make_batch(compiled, images, labels, b.indices, b.mask)
+            batch = make_batch(compiled, images, labels, b.indices, b.mask, step=step)
             if step == 0:  # how the compiled step takes each batch array: per-device shape
                 (_, placed), _ = compiled.step.lower(state, batch).compile().input_shardings
-                out[name + "_shards"] = {{k: [list(sh.shard_shape(np.shape(batch[k]))),
-                                              len(sh.device_set), list(np.shape(batch[k]))]
-                                          for k, sh in placed.items()}}
+                arrays = jax.tree_util.tree_leaves_with_path(batch)
+                out[name + "_shards"] = {{
+                    jax.tree_util.keystr(k): [list(sh.shard_shape(np.shape(x))),
+                                              len(sh.device_set), list(np.shape(x))]
+                    for (k, x), sh in zip(arrays, jax.tree.leaves(placed))}}
             state, _ = compiled.step(state, batch)
         out[name] = [np.asarray(x).ravel().tolist() for x in jax.tree.leaves(state.params)]
         out[name + "_devices"] = len(devs)
@@ -280,15 +289,20 @@ def test_step_on_8_fake_devices_equals_the_1_device_step():
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.split("RESULT", 1)[1])
     assert out["all_devices"] == 8 and out["one_devices"] == 1
-    # the examples are split over the 8 devices (micro-batch axis), not replicated on each
-    for shards in (out["all_shards"], out["all_bk_shards"]):
-        examples = {k: v for k, v in shards.items() if len(v[2]) >= 2}
-        assert examples
+    # the examples are split over the 8 devices (micro-batch axis), not replicated on each;
+    # GIP's host randomness (its index release's draws) is whole on every device
+    for shards in (out["all_shards"], out["all_bk_shards"], out["all_gip_shards"]):
+        examples = {k: v for k, v in shards.items() if "stage_inputs" not in k}
+        assert set(examples) == {"['image']", "['label']", "['mask']"}
         for key, (shard, devices, shape) in examples.items():
             assert devices == 8 and shard[1] * 8 == shape[1] and shard[0] == shape[0], key
+    host_inputs = {k: v for k, v in out["all_gip_shards"].items() if "stage_inputs" in k}
+    assert host_inputs
+    for key, (shard, devices, shape) in host_inputs.items():
+        assert devices == 8 and shard == shape, key
     # both per-example strategies (book-keeping is what real runs of these models use)
     assert (out["all_strategy"], out["all_bk_strategy"]) == ("materialized", "bookkeeping")
-    for one, many in (("one", "all"), ("one_bk", "all_bk")):
+    for one, many in (("one", "all"), ("one_bk", "all_bk"), ("one_gip", "all_gip")):
         assert out[one] and len(out[one]) == len(out[many])
         for a, b in zip(out[one], out[many]):
             # identical noise (added once, from the same key), sums up to float reassociation

@@ -14,7 +14,10 @@ Schema (JSON; docs/board-protocol.md has a complete 20-line example)::
          "base": ["train.x = 1"],                          # bindings of every trial
          "space": {"<gin key>": {"log_uniform": [lo, hi]} | {"uniform": [lo, hi]}
                                 | {"choice": [...]} | {"value": x},   # + "privacy": true,
-                   ...},               # "over"/"times": "<key>" (derived), "source": "why"
+                   ...},               # "over"/"times": "<key>" (derived), "source": "why",
+                                       # "at_epsilon": {"1.0": [lo, hi]} or {"1.0":
+                                       # {"range": [lo, hi], "source": "why"}} (a range's
+                                       # own range for the groups at that target epsilon)
          "methods": ["dpsgd", "mine"]}}}      # method folders (dpbench.methods)
 
 A method may also be given inline, ``"methods": {"name": {"gin_file": ..., "space": ...}}``;
@@ -73,7 +76,7 @@ def check_trials(method: str, gin_files, trials, run_bindings) -> None:
         raise ProtocolError(f"method {method!r}: {e}") from e
 
 
-SPEC_EXTRAS = ("privacy", "over", "times", "source")
+SPEC_EXTRAS = ("privacy", "over", "times", "source", "at_epsilon")
 
 
 def _check_spec(where: str, key: str, spec) -> None:
@@ -85,10 +88,14 @@ def _check_spec(where: str, key: str, spec) -> None:
                             f"and \"source\": \"...\"; got {spec!r}")
     kind = kinds[0]
     if kind in ("log_uniform", "uniform"):
-        lo, hi = spec[kind]
-        if not (lo < hi) or (kind == "log_uniform" and lo <= 0):
-            raise ProtocolError(f"{where}: {key} range {spec[kind]} must be [lo, hi] with "
-                                f"lo < hi{' and lo > 0' if kind == 'log_uniform' else ''}")
+        for at, (lo, hi) in [("", spec[kind])] + [
+                (f" at epsilon {e}", _range_of(r)) for e, r in spec.get("at_epsilon", {}).items()]:
+            if not (lo < hi) or (kind == "log_uniform" and lo <= 0):
+                raise ProtocolError(f"{where}: {key} range{at} {[lo, hi]} must be [lo, hi] "
+                                    f"with lo < hi{' and lo > 0' if kind == 'log_uniform' else ''}")
+    elif "at_epsilon" in spec:
+        raise ProtocolError(f"{where}: {key}: \"at_epsilon\" gives a range per target epsilon; "
+                            f"it needs a log_uniform or uniform range, not {kind!r}")
     if kind == "choice" and not spec["choice"]:
         raise ProtocolError(f"{where}: {key} has no choices")
     if key in DP_EVENT_KEYS and not spec.get("privacy"):
@@ -194,6 +201,61 @@ def _check_method_space(where: str, family: dict, m: dict) -> None:
     _check_derived(where, specs, {**aliases, **specs})
 
 
+def _check_at_epsilon(where: str, key: str, spec: dict, epsilons) -> None:
+    """Each "at_epsilon" entry names one of the protocol's epsilons (a typo such as "0.1" for
+    1.0 would otherwise be a range that silently never applies) with a [lo, hi] pair."""
+    entries = spec.get("at_epsilon", {}) if isinstance(spec, dict) else {}
+    if not isinstance(entries, dict):
+        raise ProtocolError(f"{where}: {key}: \"at_epsilon\" maps a target epsilon to its "
+                            f"[lo, hi] range, e.g. {{\"1.0\": [0.05, 0.8]}}; got {entries!r}")
+    for name, pair in entries.items():
+        try:
+            epsilon = float(name)
+        except ValueError:
+            epsilon = None
+        if epsilon not in [float(e) for e in epsilons]:
+            raise ProtocolError(f"{where}: {key}: \"at_epsilon\" names {name!r}, not one of "
+                                f"the protocol's epsilons {epsilons}")
+        if isinstance(pair, dict) and (set(pair) - {"range", "source"} or "range" not in pair):
+            raise ProtocolError(f"{where}: {key}: the range at epsilon {name} is [lo, hi] or "
+                                f"{{\"range\": [lo, hi], \"source\": \"why\"}}, got {pair!r}")
+        if not (isinstance(_range_of(pair), list) and len(_range_of(pair)) == 2):
+            raise ProtocolError(f"{where}: {key}: the range at epsilon {name} must be [lo, hi]"
+                                f", got {pair!r}")
+
+
+def _range_of(entry):
+    """An "at_epsilon" entry's [lo, hi]: the entry itself, or its "range"."""
+    return entry.get("range") if isinstance(entry, dict) else entry
+
+
+def at_epsilon(protocol: dict, epsilon: float) -> dict:
+    """The protocol as its groups at ``epsilon`` run it: a range with an "at_epsilon" entry
+    for ``epsilon`` takes that range, and no spec keeps "at_epsilon" (what a group's
+    search.json stores is the space in force there, so a range added for one epsilon leaves
+    the other epsilons' groups exactly as they were). An entry's "source" replaces the
+    range's own there."""
+    def resolve(space: dict) -> dict:
+        out = {}
+        for key, spec in space.items():
+            spec = {k: v for k, v in spec.items() if k != "at_epsilon"}
+            for name, entry in space[key].get("at_epsilon", {}).items():
+                if float(name) == float(epsilon):
+                    kind = "log_uniform" if "log_uniform" in spec else "uniform"
+                    spec[kind] = list(_range_of(entry))
+                    if isinstance(entry, dict) and "source" in entry:
+                        spec["source"] = entry["source"]
+            out[key] = spec
+        return out
+
+    families = {}
+    for family, spec in protocol["families"].items():
+        spec = dict(spec, methods={m: (dict(e, space=resolve(e["space"])) if "space" in e
+                                       else e) for m, e in spec["methods"].items()})
+        families[family] = dict(spec, space=resolve(spec["space"])) if "space" in spec else spec
+    return dict(protocol, families=families)
+
+
 def _check_keys(where: str, entry, known: set) -> None:
     if not isinstance(entry, dict):
         raise ProtocolError(f"{where}: expected an object with keys among {sorted(known)}, "
@@ -226,6 +288,7 @@ def load_protocol(path) -> dict:
     for family, spec in protocol["families"].items():
         where = f"{path}: family {family}"
         for key, value in spec.get("space", {}).items():
+            _check_at_epsilon(where, key, value, protocol["epsilons"])
             _check_spec(where, key, value)
         if not spec.get("methods"):
             raise ProtocolError(f"{where}: no methods")
@@ -234,6 +297,7 @@ def load_protocol(path) -> dict:
                 raise ProtocolError(f"{where}: method {method} needs a 'gin_file' (or list the "
                                     "family's methods by name, each a method folder)")
             for key, value in m.get("space", {}).items():
+                _check_at_epsilon(f"{where} method {method}", key, value, protocol["epsilons"])
                 _check_spec(f"{where} method {method}", key, value)
             _check_method_space(f"{where} method {method}", spec, m)
     return protocol

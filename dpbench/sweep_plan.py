@@ -40,6 +40,7 @@ def plan_group(protocol: dict, family: str, epsilon: float, methods, workers: in
     ``secret_rng`` (a secret search): J from the deployment's law and i.i.d. draws, both from
     that generator (OS entropy), never from the protocol's public seed."""
     group = tuning.group_name(family, epsilon, protocol["delta"])
+    protocol = tuning.at_epsilon(protocol, epsilon)
     spec = protocol["families"][family]
     if secret_rng is None:
         law = dict(protocol["trials"])
@@ -77,6 +78,7 @@ def prepare(protocol: dict, family: str, epsilon: float, methods, records: Path,
     path = records / group / SEARCH_FILE
     if path.exists():
         plan = json.loads(path.read_text())
+        protocol = tuning.at_epsilon(protocol, epsilon)  # the space in force at epsilon
         missing = [m for m in methods if m not in plan["methods"]]
         for method in set(methods) - set(missing):
             fresh = tuning.trial_bindings(protocol, family, group, method, plan["num_random"])

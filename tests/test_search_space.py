@@ -97,6 +97,65 @@ def test_a_bad_derived_or_renamed_key_is_refused(tmp_path, change, message):
         tuning.load_protocol(path)
 
 
+def test_a_range_of_its_own_at_one_epsilon_keeps_each_trials_point_and_every_other_group():
+    """"at_epsilon" gives a range for the groups at one target epsilon: there every trial j
+    keeps its Sobol point (the same position in the new range, the same other knobs, so the
+    pairing holds), and the protocol at any other epsilon is exactly what it was without it
+    (a group's search.json stores the space in force: an added range changes no other group)."""
+    p = protocol()
+    lo, hi = sorted(np.exp(np.random.default_rng().uniform(np.log(0.01), np.log(2.0), 2)))
+    revised = json.loads(json.dumps(p))
+    revised["families"]["F"]["space"][LR]["at_epsilon"] = {"1.0": [lo, hi]}
+    assert tuning.at_epsilon(revised, 3.0) == tuning.at_epsilon(p, 3.0) == p
+    at_one = tuning.at_epsilon(revised, 1.0)
+    assert at_one["families"]["F"]["space"][LR] == {"log_uniform": [lo, hi], "over": CLIP}
+    assert tuning.at_epsilon(at_one, 1.0) == at_one  # resolving twice changes nothing
+    for method in ("plain", "own", "renamed"):
+        old = tuning.trial_bindings(p, "F", "G", method, 8)
+        new = tuning.trial_bindings(at_one, "F", "G", method, 8)
+        assert new[0] == old[0]  # the recipe
+        for j in range(1, 9):
+            a, b = _values(old[j]), _values(new[j])
+            assert {k: v for k, v in a.items() if k != LR} == \
+                {k: v for k, v in b.items() if k != LR}
+            clip = float(a.get(CLIP) or a["gep.embed_and_clip.x"])
+            u_old = np.log(float(a[LR]) * clip / 0.1) / np.log(16.0)
+            u_new = np.log(float(b[LR]) * clip / lo) / np.log(hi / lo)
+            assert abs(u_new - u_old) < 2e-3 * (1 + 1 / np.log(hi / lo)), j  # 4 digits
+    # a method's own range takes an "at_epsilon" too, and an entry may state its own source
+    revised["families"]["F"]["methods"]["apart"]["space"][LR]["at_epsilon"] = {
+        "1": {"range": [3.0, 4.0], "source": "why"}}
+    assert tuning.at_epsilon(revised, 1.0)["families"]["F"]["methods"]["apart"]["space"][LR] \
+        == {"log_uniform": [3.0, 4.0], "source": "why"}
+    for trial in tuning.trial_bindings(tuning.at_epsilon(revised, 1.0), "F", "G", "apart", 8)[1:]:
+        assert 3.0 <= float(_values(trial)[LR]) <= 4.0
+
+
+@pytest.mark.parametrize("at_epsilon, message", [
+    ({"0.1": [0.05, 0.8]}, "not one of the protocol's epsilons"),
+    ({"one": [0.05, 0.8]}, "not one of the protocol's epsilons"),
+    ({"1.0": [0.8, 0.05]}, "at epsilon 1.0"),
+    ({"1.0": [0.0, 0.8]}, "lo > 0"),
+    ({"1.0": 0.5}, r"must be \[lo, hi\]"),
+    ({"1.0": {"range": [0.05, 0.8], "sourse": "typo"}}, "is \\[lo, hi\\] or"),
+    ({"1.0": {"range": [0.8, 0.05]}}, "at epsilon 1.0"),
+    ([0.05, 0.8], "maps a target epsilon"),
+])
+def test_a_bad_range_at_an_epsilon_is_refused(tmp_path, at_epsilon, message):
+    p = protocol(seed=1)
+    p.update(delta=1e-5, epsilons=[3.0, 1.0], seeds=[0])
+    p["families"]["F"]["space"][LR]["at_epsilon"] = at_epsilon
+    path = tmp_path / "protocol.json"
+    path.write_text(json.dumps(p))
+    with pytest.raises(tuning.ProtocolError, match=message):
+        tuning.load_protocol(path)
+    p["families"]["F"]["space"][LR].pop("at_epsilon")  # only ranges have one
+    p["families"]["F"]["space"]["train.ema_decay"]["at_epsilon"] = {"1.0": [0.0, 0.9]}
+    path.write_text(json.dumps(p))
+    with pytest.raises(tuning.ProtocolError, match="needs a log_uniform or uniform range"):
+        tuning.load_protocol(path)
+
+
 def test_the_test_protocol_loads(tmp_path):
     p = protocol(seed=1)
     p.update(delta=1e-5, epsilons=[1.0], seeds=[0])

@@ -202,6 +202,17 @@ def test_a_changed_protocol_is_refused_once_a_search_began(tmp_path):
     plan = sweep.prepare(protocol, "digits__logistic", 3.0, ["dpsgd"], tmp_path)
     assert plan["num_trials"] == 2 and len(plan["methods"]["dpsgd"]["support"]) == 1
     assert sweep.prepare(protocol, "digits__logistic", 3.0, ["dpsgd"], tmp_path) == plan
+    # a range of its own for epsilon 1 leaves this group's search as it was, and an epsilon-1
+    # group stores the range in force there (search.json never holds "at_epsilon")
+    revised = json.loads(json.dumps(protocol))
+    lr = revised["families"]["digits__logistic"]["space"]["optimize.optax.learning_rate"]
+    lr["at_epsilon"] = {"1.0": [0.01, 0.02]}
+    assert sweep.prepare(revised, "digits__logistic", 3.0, ["dpsgd"], tmp_path) == plan
+    at_one = sweep.prepare(revised, "digits__logistic", 1.0, ["dpsgd"], tmp_path)
+    assert at_one["family_spec"]["space"]["optimize.optax.learning_rate"] == {
+        "log_uniform": [0.01, 0.02]}
+    drawn = dict(b.split(" = ") for b in at_one["methods"]["dpsgd"]["trials"][1])
+    assert 0.01 <= float(drawn["optimize.optax.learning_rate"]) <= 0.02
     protocol["families"]["digits__logistic"]["space"]["optimize.optax.learning_rate"] = {
         "log_uniform": [0.1, 1.0]}
     with pytest.raises(tuning.ProtocolError, match="the protocol changed") as e:

@@ -191,13 +191,15 @@ def test_every_trial_of_the_boards_protocol_is_a_valid_configuration():
     p = tuning.load_protocol(config.REPO_ROOT / "leaderboard" / "protocol.json")
     assert p["trials"]["fixed"] >= 8  # board v3: K >= 8 for every method of every group
     assert p["trials"]["deployment"]["mean_random"] + 1 >= 8  # the secret-K deployment's
-    for family, spec in p["families"].items():
+    for family, spec, epsilon in [(f, s, e) for e in p["epsilons"]
+                                  for f, s in tuning.at_epsilon(p, e)["families"].items()]:
+        at = tuning.at_epsilon(p, epsilon)  # the space a group at that epsilon draws from
         for method, m in spec["methods"].items():
             files = [m["gin_file"], *spec.get("gin_files", [])]
-            support = {tuple(s) for s in tuning.privacy_support(p, family, method)}
-            for trial in tuning.trial_bindings(p, family, "G", method, 1):
+            support = {tuple(s) for s in tuning.privacy_support(at, family, method)}
+            for trial in tuning.trial_bindings(at, family, "G", method, 1):
                 config.parse_config(files, trial)
-            key = tuning.privacy_key(trial, p, family, method)
+            key = tuning.privacy_key(trial, at, family, method)
             assert any(set(key) <= set(s) for s in support)
 
 

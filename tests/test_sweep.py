@@ -477,6 +477,38 @@ def test_a_paired_group_gets_v3_verdicts_intervals_both_epsilons_and_a_forest_pl
     assert (tmp_path / "b" / "README.md").read_text() == text
 
 
+def test_a_superseded_search_joins_its_methods_published_epsilon(finished_sweep, tmp_path):
+    """A group whose space was revised after a first search: the board folder's board.json
+    names the superseded searches; each method's 'ε, all published' composes its runs there
+    with its group's (checked with dp_accounting's PLD accountant directly), a method without
+    any there keeps its epsilon, and the group's text says so."""
+    from dpbench import board
+    from dpbench.board import paired
+    records, group = _paired_board_records(finished_sweep, tmp_path)
+    before = paired.analyse_group(group, {})["methods"]
+    earlier = tmp_path / "superseded" / GROUP
+    for run in sorted(group.glob("dpsgd-*-seed*"))[:3]:  # 3 earlier runs of dpsgd
+        shutil.copytree(run, earlier / run.name)
+    (tmp_path / board.INPUTS_FILE).write_text(json.dumps({"superseded": "superseded"}))
+    assert board.main([f"--records={records}"]) == 0
+    text = (tmp_path / "README.md").read_text()
+    assert f"a first search (3 runs, published in `superseded/{GROUP}`, never ranked)" in text
+    after = paired.analyse_group(group, {}, superseded_dir=earlier)["methods"]
+    assert after["rs"]["published_epsilon"] == before["rs"]["published_epsilon"]
+    assert after["dpsgd"]["superseded_runs"] == 3 and after["rs"]["superseded_runs"] == 0
+    events = [json.loads(p.read_text())["dp_event"]
+              for p in [*group.glob("dpsgd-*/run_record.json"),
+                        *earlier.glob("*/run_record.json")]]
+    assert len(events) == 5 + 3
+    pld = accounting.make_accountant(accounting.Budget(epsilon=1.0, delta=1e-5,
+                                                       accountant="pld"))
+    pld.compose(dp_event.ComposedDpEvent([accounting.event_from_json(e) for e in events]))
+    assert after["dpsgd"]["published_epsilon"] == pytest.approx(pld.get_epsilon(1e-5),
+                                                                rel=2e-2)
+    assert after["dpsgd"]["published_epsilon"] > before["dpsgd"]["published_epsilon"] * 1.1
+    assert _v3_row(text, "rs")["ε, all published"] == f"{after['rs']['published_epsilon']:.3f}"
+
+
 def test_the_baseline_check_fires_on_a_recorded_stronger_dp_sgd(finished_sweep, tmp_path):
     """A made-up earlier board whose DP-SGD scored far higher on 2 seeds: the group's
     verdicts say their baseline is weaker than what DP-SGD is known to reach."""

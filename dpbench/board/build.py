@@ -23,13 +23,15 @@ from dpbench.board.verdicts import (baseline_text, best_recorded_baseline, v1_ga
 
 def build(records_dir, out_dir, audits_dir=None, perf_json=None, claims_json=None,
           v1_records=None, methods_dirs=(methods.BOARD_METHODS,), history=(),
-          earlier_records=None) -> dict:
+          earlier_records=None, superseded=None) -> dict:
     """Validates the records and writes README.md, index.html and plots/ into ``out_dir``.
     Each method's paper and claim come from its folder under ``methods_dirs``; ``claims_json``
     adds the hand-written 'what changed' sentences of board groups. A group searched with
     paired trials gets board v3's verdicts (``paired.analyse_group``) and a forest plot at the
     top; ``history`` (earlier boards' record folders) feeds its baseline check and
-    ``earlier_records`` (the previous board's) the gains it is compared with."""
+    ``earlier_records`` (the previous board's) the gains it is compared with; ``superseded``
+    (group folders of searches a group's space was revised after) joins each such group's
+    published epsilons."""
     out_dir = Path(out_dir)
     running = searches_in_progress(Path(records_dir))
     finished = [r for r in load_records(Path(records_dir)) if r["_group"] not in running]
@@ -46,7 +48,8 @@ def build(records_dir, out_dir, audits_dir=None, perf_json=None, claims_json=Non
                 in sorted(running.items())) + ".\n"
     claims = dict(what_changed=json.loads(Path(claims_json).read_text()).get(
         "what_changed", {}) if claims_json else {}, methods=methods.claims(methods_dirs))
-    headline = _paired_verdicts(table, finished, history, claims, out_dir, earlier_records)
+    headline = _paired_verdicts(table, finished, history, claims, out_dir, earlier_records,
+                                superseded)
     v2_table = {g: rows for g, rows in table.items() if g not in {h["group"] for h in headline}}
     tables = verdict_tables(verdicts(v2_table, claims, v1_gains(v1_records)))
     records_lib.atomic_write_text(out_dir / "README.md", render_markdown(
@@ -71,7 +74,8 @@ def _paired_groups(finished) -> set:
     return out
 
 
-def _paired_verdicts(table, finished, history, claims, out_dir, earlier_records) -> list:
+def _paired_verdicts(table, finished, history, claims, out_dir, earlier_records,
+                     superseded=None) -> list:
     """[{group, forest, baseline, table}] for every finished group whose search is paired."""
     group_dirs = {r["_group"]: Path(r["_path"]).parent.parent for r in finished}
     known = list(finished) + [r for d in history for r in load_records(Path(d))]
@@ -83,29 +87,45 @@ def _paired_verdicts(table, finished, history, claims, out_dir, earlier_records)
                                       float(m["delta"]))
         if best is not None:  # named relative to the board: the same bytes on every checkout
             best["where"] = os.path.relpath(best["where"], out_dir.resolve())
+        earlier_search = None if superseded is None else Path(superseded) / group
+        if earlier_search is not None and not earlier_search.is_dir():
+            earlier_search = None
         try:
-            analysis = paired.analyse_group(group_dirs[group], claims["methods"], best)
+            analysis = paired.analyse_group(group_dirs[group], claims["methods"], best,
+                                            superseded_dir=earlier_search)
         except (tuning.SearchRecordError, ValueError) as e:
             raise LeaderboardError(f"{group}: {e}") from e
         out.append(dict(group=group, forest=plot_forest(analysis, out_dir),
                         baseline=baseline_text(analysis["baseline"]) + " Junk: {} of {} "
                         "random trials end more than 5 points below the group's best (or "
-                        "diverged).".format(*analysis["junk"]),
+                        "diverged).".format(*analysis["junk"])
+                        + _superseded_text(analysis, earlier_search, out_dir),
                         table=v3_table(analysis, earlier), analysis=analysis))
     return out
+
+
+def _superseded_text(analysis: dict, earlier_search, out_dir: Path) -> str:
+    if earlier_search is None:
+        return ""
+    runs = sum(r["superseded_runs"] for r in analysis["methods"].values())
+    where = os.path.relpath(earlier_search.resolve(), out_dir.resolve())
+    return (f" This group's space was revised after a first search ({runs} runs, published "
+            f"in `{where}`, never ranked): each method's 'ε, all published' composes its runs "
+            "of that search too.")
 
 
 BOARD = methods.REPO_ROOT / "leaderboard"
 # A committed board's inputs besides its records, paths relative to its folder: the board and
 # every archived board keep one, so each regenerates from what it was built with.
 INPUTS_FILE = "board.json"
-_PATH_INPUTS = ("audits", "claims", "v1_records", "perf", "earlier_records")
+_PATH_INPUTS = ("audits", "claims", "v1_records", "perf", "earlier_records", "superseded")
 
 
 def board_inputs(board_dir) -> dict:
     """The inputs ``board_dir``/board.json names ({} when it has none: a user's board), as
     absolute paths: audits, claims, v1_records, perf, earlier_records (one each) and history
-    (earlier boards' record folders). A name it does not know, or a path that is missing, is
+    (earlier boards' record folders), superseded (searches a group's space was revised
+    after, in group folders). A name it does not know, or a path that is missing, is
     an error: a board is never rebuilt without an input it was built with."""
     path = Path(board_dir) / INPUTS_FILE
     if not path.exists():
@@ -145,6 +165,7 @@ def resolve_paths(args) -> str | None:
     args.history = [str(p) for p in inputs.get("history", [])]
     args.earlier_records = None if inputs.get("earlier_records") is None else str(
         inputs["earlier_records"])
+    args.superseded = None if inputs.get("superseded") is None else str(inputs["superseded"])
     return None
 
 
@@ -183,7 +204,8 @@ def main(argv=None) -> int:
     try:
         table = build(args.records, args.out, args.audits, args.perf, args.claims,
                       args.v1_records, [*args.methods_dirs, methods.BOARD_METHODS],
-                      history=args.history, earlier_records=args.earlier_records)
+                      history=args.history, earlier_records=args.earlier_records,
+                      superseded=args.superseded)
     except (LeaderboardError, methods.MethodError) as e:
         print(f"dpbench: error: {e}", file=sys.stderr)
         return 2

@@ -12,7 +12,10 @@ What is read, per method (all from published records):
   selected seed, is left out: its accuracy is biased upward by the selection);
 - every run's DpEvent: the epsilon of everything the board publishes for the method (PLD
   composition of the K trials and the retrains; ``tuning.published_epsilon``), beside the
-  Papernot-Steinke epsilon of a deployment that keeps K secret (``tuning.search_summary``).
+  Papernot-Steinke epsilon of a deployment that keeps K secret (``tuning.search_summary``);
+  a group whose space was revised after a first search (the board's ``superseded`` folder
+  holds that search's runs) composes the method's superseded runs in too: the search that
+  ranks was chosen after seeing them.
 The bootstrap's generator is seeded from the group and method names: the same records give the
 same bytes.
 """
@@ -71,6 +74,15 @@ def method_runs(group_dir: Path, plan: dict, method: str, winner: int) -> dict:
                 events=[r["dp_event"] for r in trials + retrains if r is not None])
 
 
+def superseded_events(superseded_dir, method: str) -> list:
+    """The DpEvents of ``method``'s runs in a superseded search of the group (every published
+    run record under ``superseded_dir``, any trial and seed; none without the folder)."""
+    if superseded_dir is None:
+        return []
+    return [json.loads(p.read_text())["dp_event"] for p in
+            sorted(Path(superseded_dir).glob(f"{method}-t*-seed*/run_record.json"))]
+
+
 def composed_event(events_json) -> dp_event.DpEvent:
     """The composition of the runs' events, identical events folded into one self-composition
     (sorted: the same runs give the same event, whatever their order)."""
@@ -109,9 +121,12 @@ def junk_rate(group_dir) -> tuple[int, int]:
     return sum(1 for v in random if v is None or v < best - JUNK_POINTS), len(random)
 
 
-def analyse_group(group_dir, claims: dict, baseline_best=None, draws: int = DRAWS) -> dict:
+def analyse_group(group_dir, claims: dict, baseline_best=None, draws: int = DRAWS,
+                  superseded_dir=None) -> dict:
     """The v3 verdicts of one finished paired group: {"methods": {method: {...}}, "baseline":
-    baseline_check's dict, "paired": True}."""
+    baseline_check's dict, "paired": True}. ``superseded_dir``: the runs of an earlier search
+    of this group whose results its space was revised after (their events join each method's
+    published epsilon)."""
     group_dir = Path(group_dir)
     plan = json.loads((group_dir / tuning.SEARCH_FILE).read_text())
     summary = tuning.search_summary(group_dir)
@@ -123,9 +138,12 @@ def analyse_group(group_dir, claims: dict, baseline_best=None, draws: int = DRAW
     out = {}
     for method, s in summary.items():
         mine = runs[method]
+        earlier = superseded_events(superseded_dir, method)
         row = dict(winner=s["winner"], num_trials=s["num_trials"],
                    retrains=mine["retrains"], mean=float(np.mean(mine["retrains"])),
-                   published_epsilon=published_epsilon(mine["events"], plan["delta"]),
+                   published_epsilon=published_epsilon(mine["events"] + earlier,
+                                                       plan["delta"]),
+                   superseded_runs=len(earlier),
                    deployment_epsilon=s.get("deployment_epsilon"),
                    claim=claims.get(method, {}),
                    claim_range=methods.claim_range(claims.get(method, {}).get("claim_gain"),

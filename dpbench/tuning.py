@@ -209,6 +209,19 @@ def trial_outcome(group_dir: Path, method: str, trial: int, seed: int):
                            "record; finish the sweep (rerun `dpbench sweep`) first")
 
 
+def planned_events(plan: dict, method: str) -> dict:
+    """privacy key -> the DpEvent search.json computed for it: the event each of ``method``'s
+    trials has by its privacy settings (also a trial that diverged and published no record)."""
+    return {privacy_key(s["bindings"], _protocol_of(plan), plan["family"], method): s["event"]
+            for s in plan["methods"][method]["support"]}
+
+
+def planned_event(plan: dict, method: str, trial: int) -> dict:
+    key = privacy_key(plan["methods"][method]["trials"][trial], _protocol_of(plan),
+                      plan["family"], method)
+    return planned_events(plan, method)[key]
+
+
 def search_summary(group_dir) -> dict:
     """Per method of a finished search (``<group_dir>/search.json`` and its published trials):
     K, the winner, every trial's validation accuracy, and the search's epsilon recomputed from
@@ -223,8 +236,7 @@ def search_summary(group_dir) -> dict:
     law, seed0 = plan["trials_law"], plan["seeds"][0]
     out = {}
     for method, m in sorted(plan["methods"].items()):
-        support = {privacy_key(s["bindings"], _protocol_of(plan), plan["family"], method):
-                   s["event"] for s in m["support"]}
+        support = planned_events(plan, method)
         validation, events = {}, {}
         for trial in range(plan["num_trials"]):
             record, where = trial_outcome(group_dir, method, trial, seed0)

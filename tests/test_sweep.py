@@ -509,6 +509,41 @@ def test_a_superseded_search_joins_its_methods_published_epsilon(finished_sweep,
     assert _v3_row(text, "rs")["ε, all published"] == f"{after['rs']['published_epsilon']:.3f}"
 
 
+def test_a_diverged_trial_counts_in_everything_published_at_its_planned_event(
+        finished_sweep, tmp_path):
+    """A random trial that diverged ran the accounted mechanism on private data, and the board
+    publishes that it diverged: 'ε, all published' composes the event search.json planned for
+    its privacy settings (its run published no record to read one from)."""
+    from dpbench.board import paired
+    records, group = _paired_board_records(finished_sweep, tmp_path)
+    plan = json.loads((group / sweep.SEARCH_FILE).read_text())
+    for run in group.glob("rs-*-seed*"):  # rs's recipe wins: its seeds 1-3 are the retrains
+        if run.name != "rs-t0-seed0" and not run.name.startswith("rs-t1-seed0"):
+            shutil.rmtree(run)
+    recipe = json.loads((group / "rs-t0-seed0" / "run_record.json").read_text())
+    for seed in (1, 2, 3):
+        (group / f"rs-t0-seed{seed}").mkdir()
+        (group / f"rs-t0-seed{seed}" / "run_record.json").write_text(json.dumps(
+            dict(recipe, seed=seed)))
+    shutil.rmtree(group / "rs-t1-seed0")
+    (group / "rs-t1-seed0").mkdir()
+    (group / "rs-t1-seed0" / tuning.DIVERGED).write_text("{}")
+    rs = paired.analyse_group(group, {})["methods"]["rs"]
+    assert rs["winner"] == 0
+    key = tuning.privacy_key(plan["methods"]["rs"]["trials"][1], tuning._protocol_of(plan),
+                             plan["family"], "rs")
+    (planned,) = [s["event"] for s in plan["methods"]["rs"]["support"]
+                  if tuning.privacy_key(s["bindings"], tuning._protocol_of(plan),
+                                        plan["family"], "rs") == key]
+    events = [recipe["dp_event"]] * 4 + [planned]
+    pld = accounting.make_accountant(accounting.Budget(epsilon=1.0, delta=1e-5,
+                                                       accountant="pld"))
+    pld.compose(dp_event.ComposedDpEvent([accounting.event_from_json(e) for e in events]))
+    assert rs["published_epsilon"] == pytest.approx(pld.get_epsilon(1e-5), rel=2e-2)
+    without = paired.published_epsilon([recipe["dp_event"]] * 4, 1e-5)
+    assert rs["published_epsilon"] > without * 1.05  # the diverged run is not free
+
+
 def test_the_baseline_check_fires_on_a_recorded_stronger_dp_sgd(finished_sweep, tmp_path):
     """A made-up earlier board whose DP-SGD scored far higher on 2 seeds: the group's
     verdicts say their baseline is weaker than what DP-SGD is known to reach."""

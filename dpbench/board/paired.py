@@ -61,7 +61,9 @@ def _outcome(group_dir: Path, method: str, trial: int, seed) -> dict | None:
 
 def method_runs(group_dir: Path, plan: dict, method: str, winner: int) -> dict:
     """validation/test of the K seed-0 trials (None: diverged), the winner's retrain test
-    accuracies, and the DpEvents of every published run."""
+    accuracies, and the DpEvents of every published run: a trial that diverged counts at the
+    event search.json planned for it (it ran on private data, and that it diverged is
+    published)."""
     seeds = plan["seeds"]
     trials = [_outcome(group_dir, method, t, seeds[0]) for t in range(plan["num_trials"])]
     retrains = [_outcome(group_dir, method, winner, s) for s in seeds[1:]]
@@ -71,7 +73,8 @@ def method_runs(group_dir: Path, plan: dict, method: str, winner: int) -> dict:
     return dict(validation=[None if r is None else r["validation_accuracy"] for r in trials],
                 test=[None if r is None else r["test_accuracy"] for r in trials],
                 retrains=[r["test_accuracy"] for r in retrains],
-                events=[r["dp_event"] for r in trials + retrains if r is not None])
+                events=[tuning.planned_event(plan, method, t) if r is None else r["dp_event"]
+                        for t, r in enumerate(trials)] + [r["dp_event"] for r in retrains])
 
 
 def superseded_events(superseded_dir, method: str) -> list:

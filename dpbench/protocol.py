@@ -84,7 +84,8 @@ def _check_spec(where: str, key: str, spec) -> None:
     if len(kinds) != 1 or set(spec) - {kinds[0], *SPEC_EXTRAS}:
         raise ProtocolError(f"{where}: {key} must be one of {{'log_uniform': [lo, hi]}}, "
                             "{'uniform': [lo, hi]}, {'choice': [...]} or {'value': x}, with an "
-                            "optional \"privacy\": true, \"over\" / \"times\": \"<key>\" "
+                            "optional \"privacy\": true, \"over\" / \"times\": \"<key>\", "
+                            "\"at_epsilon\": {\"<epsilon>\": [lo, hi]} "
                             f"and \"source\": \"...\"; got {spec!r}")
     kind = kinds[0]
     if kind in ("log_uniform", "uniform"):

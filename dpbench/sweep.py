@@ -4,6 +4,7 @@
                 [--methods M ...] [--runs_dir=runs/sweep] [--records=leaderboard/records]
                 [--address=ray://host:10001] [--cpus_per_trial=1]
   dpbench sweep --cost [--runs_dir=runs/sweep]   (core-hours the runs took, per group)
+  dpbench sweep --progress [--records=DIR]       (where a sweep stands, from its records)
 
 Per group (family, epsilon) of the protocol (dpbench/tuning.py):
   1. prepare: J is drawn, every method's K = 1 + J trial bindings are fixed, and the event of
@@ -236,6 +237,10 @@ def _parser():
                              "drawn from OS entropy, trials drawn i.i.d., everything kept under "
                              "--runs_dir/secret; only each method's winner is published, with "
                              "release.json (its epsilon, K secret). No retrains.")
+    parser.add_argument("--progress", action="store_true",
+                        help="print where the sweep under --records stands (runs published, "
+                             "junk so far, core-hours spent and an estimate of the rest, "
+                             "from the published records alone) and stop")
     parser.add_argument("--cost", action="store_true",
                         help="print the core-hours the runs under --runs_dir took and stop")
     return parser
@@ -245,6 +250,9 @@ def main(argv=None) -> int:
     args = _parser().parse_args(argv)
     if args.cost:
         sweep_cost.print_cost(args.runs_dir, args.cpus_per_trial)
+        return 0
+    if args.progress:
+        sweep_cost.print_progress(args.records, args.cpus or os.cpu_count())
         return 0
     reason = (foreign_protocol_reason(args.protocol, args.records, args.official_board)
               or (args.secret_trial_count and sweep_secret.into_board_reason(args.records))

@@ -1,10 +1,16 @@
 """``dpbench sweep --cost``: the core-hours a sweep's runs took, each process's wall time
-summed from its metrics (runs interrupted and resumed count every segment)."""
+summed from its metrics (runs interrupted and resumed count every segment). ``dpbench sweep
+--progress``: where a sweep under way stands, from its published records alone (what a
+checkout that did not run it has)."""
 
 from __future__ import annotations
 
+import glob
 import json
+import statistics
 from pathlib import Path
+
+from dpbench import tuning
 
 
 def _segments(run_dir: Path) -> list:
@@ -53,3 +59,62 @@ def print_cost(runs_dir: Path, cpus_per_trial: float) -> None:
               f"{c['core_hours']:.2f} core-hours")
     print(f"total: {sum(c['core_hours'] for c in cost.values()):.2f} core-hours "
           f"({cpus_per_trial:g} CPU per trial)")
+
+
+def progress(records_dir: Path) -> dict:
+    """{group: {"published", "expected", "junk", "random", "core_hours", "left_core_hours"}}
+    of every group under ``records_dir`` with a search.json: runs published (records and
+    diverged runs) of those its search and retrains will publish, the junk rate so far
+    (``board.paired.junk_rate``), the core-hours of the published records (their wall_time_s,
+    one CPU each) and an estimate of the rest: each unpublished run at the median wall time of
+    its method's published runs in the group, else in the family's other groups (None when a
+    method has none anywhere)."""
+    from dpbench.board import paired  # here: the cost report needs no board
+    groups = sorted(p.parent for p in Path(records_dir).glob(f"*/{tuning.SEARCH_FILE}"))
+    walls = {}  # (family, group, method) -> published wall times
+    for group_dir in groups:
+        plan = json.loads((group_dir / tuning.SEARCH_FILE).read_text())
+        for method in plan["methods"]:
+            walls[plan["family"], group_dir.name, method] = [
+                json.loads(Path(f).read_text())["wall_time_s"] for f in sorted(glob.glob(
+                    str(group_dir / glob.escape(method)) + "-t*-seed*/run_record.json"))]
+    out = {}
+    for group_dir in groups:
+        plan = json.loads((group_dir / tuning.SEARCH_FILE).read_text())
+        published, expected = tuning.search_progress(group_dir)
+        junk, random = paired.junk_rate(group_dir)
+        left, spent = 0.0, 0.0
+        for method in plan["methods"]:
+            mine = walls[plan["family"], group_dir.name, method]
+            spent += sum(mine)
+            family = [w for (f, _, m), ws in walls.items() if f == plan["family"]
+                      and m == method for w in ws]
+            runs_left = plan["num_trials"] + len(plan["seeds"]) - 1 - _published_runs(
+                group_dir, method)
+            if runs_left and left is not None:
+                left = None if not (mine or family) else left + runs_left * statistics.median(
+                    mine or family)
+        out[group_dir.name] = dict(published=published, expected=expected, junk=junk,
+                                   random=random, core_hours=spent / 3600,
+                                   left_core_hours=None if left is None else left / 3600)
+    return out
+
+
+def _published_runs(group_dir: Path, method: str) -> int:
+    return sum(1 for d in group_dir.glob(f"{glob.escape(method)}-t*-seed*") if
+               (d / "run_record.json").exists() or (d / tuning.DIVERGED).exists())
+
+
+def print_progress(records_dir: Path, cpus: int) -> None:
+    report = progress(records_dir)
+    for group, g in report.items():
+        left = "unknown" if g["left_core_hours"] is None else f"~{g['left_core_hours']:.1f}"
+        print(f"{group}: {g['published']} of {g['expected']} runs published; junk {g['junk']} "
+              f"of {g['random']} random trials; {g['core_hours']:.2f} core-hours spent, {left} "
+              "left")
+    spent = sum(g["core_hours"] for g in report.values())
+    lefts = [g["left_core_hours"] for g in report.values()]
+    left = None if None in lefts else sum(lefts)
+    print(f"total: {spent:.2f} core-hours spent (the records' wall_time_s), "
+          + ("left unknown" if left is None else
+             f"~{left:.1f} left (~{left / cpus:.1f} h on {cpus} CPUs)"))

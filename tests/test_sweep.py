@@ -254,6 +254,46 @@ def test_the_sweep_cost_sums_every_segment_of_every_run(tmp_path):
     assert f"total: {(a + b + 7.0 + c + 2.5) / 3600:.2f} core-hours" in out.stdout
 
 
+def test_the_sweeps_progress_is_read_from_its_published_records(tmp_path, capsys):
+    """`dpbench sweep --progress`: per group, runs published of those expected, the junk so
+    far, the published records' wall time, and each unpublished run estimated at its method's
+    median in the group, else in its family's other groups, else unknown."""
+    rng = np.random.default_rng()
+    walls = {name: float(w) for name, w in zip(
+        ["dpsgd-t0-seed0", "dpsgd-t1-seed0", "dpsgd-t2-seed0", "dpsgd-t0-seed1",
+         "rs-t0-seed0", "rs-t1-seed0"], rng.uniform(100, 1000, size=6))}
+    accuracy = {"dpsgd-t1-seed0": 0.70}  # the one junk trial: > 5 points below the best 0.86
+
+    def group(name, runs, methods=("dpsgd", "rs")):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / sweep.SEARCH_FILE).write_text(json.dumps(dict(
+            family="F", seeds=[0, 1], num_trials=3, methods={m: {} for m in methods})))
+        for run in runs:
+            (tmp_path / name / run).mkdir()
+            (tmp_path / name / run / "run_record.json").write_text(json.dumps(dict(
+                wall_time_s=walls[run], test_accuracy=accuracy.get(run, 0.86))))
+    group("F__eps1", walls)                    # dpsgd done (4 runs), rs 2 of 4
+    group("F__eps3", ["rs-t0-seed0"])          # dpsgd 0 of 4: the family's median
+    report = sweep_cost.progress(tmp_path)
+    one, three = report["F__eps1"], report["F__eps3"]
+    assert (one["published"], one["expected"], one["junk"], one["random"]) == (6, 8, 1, 3)
+    assert one["core_hours"] == pytest.approx(sum(walls.values()) / 3600)
+    rs = [walls["rs-t0-seed0"], walls["rs-t1-seed0"]]
+    assert one["left_core_hours"] == pytest.approx(2 * np.median(rs) / 3600)
+    dpsgd = [w for n, w in walls.items() if n.startswith("dpsgd")]
+    assert three["left_core_hours"] == pytest.approx(
+        (4 * np.median(dpsgd) + 3 * walls["rs-t0-seed0"]) / 3600)
+    sweep_cost.print_progress(tmp_path, 2)
+    out = capsys.readouterr().out
+    assert "F__eps1: 6 of 8 runs published; junk 1 of 3 random trials" in out
+    total = one["left_core_hours"] + three["left_core_hours"]
+    assert f"~{total:.1f} left (~{total / 2:.1f} h on 2 CPUs)" in out
+    group("F__eps8", [], methods=("gep",))     # a method with no run anywhere: unknown
+    assert sweep_cost.progress(tmp_path)["F__eps8"]["left_core_hours"] is None
+    sweep_cost.print_progress(tmp_path, 2)
+    assert "left unknown" in capsys.readouterr().out
+
+
 def test_an_unreachable_ray_address_is_refused_at_once_with_one_line(tmp_path, capsys):
     """A closed port (nothing listens on 127.0.0.1:1) gives up before any protocol work or
     Ray start, with one line saying what to do (ray.init alone retried for minutes)."""

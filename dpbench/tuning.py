@@ -52,6 +52,26 @@ from dpbench.search_space import (binding, method_space, privacy_key,  # noqa: F
 
 SEARCH_FILE = "search.json"  # a group's plan, beside its published runs
 DIVERGED = "diverged.json"   # what a run that diverged publishes instead of its record
+# Two numeric stacks calibrate one support point's sigma a few ulps of Brent's root apart
+# (board v3's runs on the lent GPU machine, scipy 1.18.1: 3.5e-10 relative from search.json's),
+# far inside accounting.SIGMA_TOLERANCE; an undeclared privacy knob moves an event by much more
+# (one step more, a batch size, epochs: sigma by 1e-3 and up). Each record's OWN event is what
+# the board composes; this tolerance only decides which support point a record ran.
+EVENT_RTOL = 1e-6
+
+
+def events_match(planned, recorded, rtol: float = EVENT_RTOL) -> bool:
+    """Whether two DpEvents (JSON) are one mechanism: the same classes, keys, integers and
+    strings, and floats within ``rtol`` of each other (relative)."""
+    if isinstance(planned, dict) and isinstance(recorded, dict):
+        return planned.keys() == recorded.keys() and all(
+            events_match(planned[k], recorded[k], rtol) for k in planned)
+    if isinstance(planned, list) and isinstance(recorded, list):
+        return len(planned) == len(recorded) and all(
+            events_match(a, b, rtol) for a, b in zip(planned, recorded))
+    if type(planned) is float and type(recorded) is float:
+        return math.isclose(planned, recorded, rel_tol=rtol, abs_tol=0.0)
+    return type(planned) is type(recorded) and planned == recorded
 
 
 def shape_of(trials: dict) -> float:
@@ -248,7 +268,7 @@ def search_summary(group_dir) -> dict:
                                         f"is not the search's seed {seed0}")
             events[trial] = record["dp_event"]
             key = privacy_key(m["trials"][trial], _protocol_of(plan), plan["family"], method)
-            if trial > 0 and support.get(key) != record["dp_event"]:
+            if trial > 0 and not events_match(support.get(key), record["dp_event"]):
                 raise SearchRecordError(
                     f"{where}: its DpEvent is not the one search.json computed for its privacy "
                     f"settings {key}: a knob that changes the event is missing \"privacy\": true "

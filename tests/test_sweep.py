@@ -151,6 +151,42 @@ def test_a_malformed_or_mismatched_record_is_rejected_with_its_path(finished_swe
         tuning.search_summary(group)
 
 
+def _scaled_noise(event: dict, factor: float) -> dict:
+    """The event (JSON) with every noise multiplier times ``factor``."""
+    out = {k: _scaled_noise(v, factor) if isinstance(v, dict) else v for k, v in event.items()}
+    if "noise_multiplier" in out:
+        out["noise_multiplier"] *= factor
+    return out
+
+
+def test_a_record_calibrated_on_another_numeric_stack_matches_its_support_point(
+        finished_sweep, tmp_path):
+    """Board v3's runs made on the lent GPU machine (scipy 1.18.1, numpy 2.5.2) calibrated
+    sigma 3.5e-10 (relative) away from search.json's (this host's stack): the same mechanism,
+    accepted; a sigma 1e-4 away (another mechanism) or one more step is refused, naming it."""
+    tmp, *_ = finished_sweep
+    group = tmp_path / GROUP
+    shutil.copytree(tmp / "records" / GROUP, group)
+    path = group / "rs-t1-seed0" / "run_record.json"
+    record = json.loads(path.read_text())
+    planned = record["dp_event"]
+    for factor, matches in ((1 - 3.5e-10, True), (1 + 3.5e-10, True), (1 - 1e-4, False),
+                            (1 + 1e-4, False)):
+        moved = _scaled_noise(planned, factor)
+        assert tuning.events_match(planned, moved) is matches, factor
+        path.write_text(json.dumps({**record, "dp_event": moved}))
+        if matches:
+            tuning.search_summary(group)
+        else:
+            with pytest.raises(tuning.SearchRecordError, match="privacy") as e:
+                tuning.search_summary(group)
+            assert str(path) in str(e.value)
+    longer = dict(planned, count=planned["count"] + 1)
+    assert not tuning.events_match(planned, longer)
+    assert not tuning.events_match(planned, dict(planned, count=float(planned["count"])))
+    assert not tuning.events_match(planned, {**planned, "extra": 1})
+
+
 def test_an_unfinished_search_is_listed_not_ranked(finished_sweep, tmp_path):
     from dpbench import board
     tmp, *_ = finished_sweep

@@ -1,0 +1,301 @@
+"""Runs a sweep's remaining trials on one machine without Ray, until a deadline: made for a lent
+accelerator machine (one GPU and many cores, no network, minutes of time), where Ray is absent
+and a trial cut off at the end is lost anyway.
+
+Each trial goes through ``run_job`` of the dpbench checkout given by ``--repo`` (the commit the
+group's records come from), exactly as the sweep's Tune trainable calls it: same command, same
+bindings from the group's ``search.json``, same atomic publishing into ``--records``. Only the
+scheduling differs: worker threads take jobs from one list, GPU workers the slowest-on-CPU
+first, CPU workers the cheapest that still fits before the deadline (a trial killed at the
+deadline publishes nothing). When a group's search is complete its winners' seed runs are
+queued (``winners_of``, the board's rule).
+
+GPU trials run with float32 matrix products at full precision (``JAX_DEFAULT_MATMUL_PRECISION=
+highest``: TF32 would round the per-example norms the clip relies on) and XLA's deterministic
+GPU operations; CPU trials with ``JAX_PLATFORMS=cpu``. ``--out`` receives what left:
+``records.tar.gz`` (the newly published run dirs, paths relative to ``--records``),
+``pool.json`` (each trial's worker kind, times and outcome) and ``failed_logs.tar.gz``.
+
+  python3 tools/sweep_pool.py --repo=DIR --records=leaderboard/sweep-v3/records \
+      --groups G [G ...] --runs_dir=/tmp/runs --deadline_s=500 --gpu_workers=7 \
+      --cpu_workers=8 --out=$OUT
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tarfile
+import threading
+import time
+from pathlib import Path
+
+GPU_ENV = {"XLA_PYTHON_CLIENT_PREALLOCATE": "false", "JAX_DEFAULT_MATMUL_PRECISION": "highest",
+           "XLA_FLAGS": "--xla_gpu_deterministic_ops=true"}
+CPU_ENV = {"JAX_PLATFORMS": "cpu", "CUDA_VISIBLE_DEVICES": ""}
+DEFAULT_CPU_S = 300.0  # a trial whose (family, method) has no published record yet
+FIRST_GPU_S = 150.0    # a GPU trial's time before any has finished
+MARGIN = 1.3
+
+
+def published_runs(records: Path, group: str) -> set:
+    group_dir = records / group
+    if not group_dir.is_dir():
+        return set()
+    return {p.name for p in group_dir.iterdir()
+            if (p / "run_record.json").exists() or (p / "diverged.json").exists()}
+
+
+def cpu_estimates(records: Path, groups) -> dict:
+    """(group, method) -> median wall_time_s of its published records; (family, method) too."""
+    times: dict = {}
+    for group in groups:
+        for path in (records / group).glob("*/run_record.json"):
+            method = path.parent.name.split("-t")[0]
+            wall = json.loads(path.read_text()).get("wall_time_s")
+            if wall:
+                times.setdefault((group, method), []).append(wall)
+                times.setdefault((group.split("__eps")[0], method), []).append(wall)
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+class Pool:
+    def __init__(self, sweep, plans, args):
+        self.sweep, self.plans, self.args = sweep, {p["group"]: p for p in plans}, args
+        self.lock = threading.Lock()
+        self.start = time.time()
+        self.deadline = self.start + args.deadline_s
+        self.ready_families = set()  # scatter families wait for their features
+        self.jobs, self.done, self.failures = [], [], {}
+        self.seeded = set()
+        self.gpu_ratio = []  # observed GPU time / CPU estimate
+        self.gpu_disabled = False
+        ns = argparse.Namespace(records=args.records, runs_dir=args.runs_dir)
+        self.ns = ns
+        self.initial = {g: published_runs(args.records, g) for g in self.plans}
+        self.cpu_s = cpu_estimates(args.records, self.plans)
+        for plan in plans:
+            self._queue(sweep._jobs([plan], "search", ns))
+            self._maybe_seeds(plan["group"])
+
+    def _queue(self, jobs):
+        for job in jobs:
+            if not self._is_published(job):
+                self.jobs.append(job)
+
+    def _is_published(self, job) -> bool:
+        target = self.sweep._published(job)
+        return (target / "run_record.json").exists() or (target / "diverged.json").exists()
+
+    def _maybe_seeds(self, group):
+        plan = self.plans[group]
+        if group in self.seeded:
+            return
+        search = self.sweep._jobs([plan], "search", self.ns)
+        if all(self._is_published(j) for j in search):
+            self.seeded.add(group)
+            winners = self.sweep.winners_of([plan], self.args.records)
+            self._queue(self.sweep._jobs([plan], "seeds", self.ns, winners))
+            self.log(f"{group}: search complete, seeds queued (winners {winners})")
+
+    def cpu_estimate(self, job) -> float:
+        family = job["group"].split("__eps")[0]
+        return self.cpu_s.get((job["group"], job["method"]),
+                              self.cpu_s.get((family, job["method"]), DEFAULT_CPU_S))
+
+    def gpu_estimate(self, job) -> float:
+        if not self.gpu_ratio:
+            return FIRST_GPU_S
+        return max(60.0, max(self.gpu_ratio) * self.cpu_estimate(job))
+
+    def _available(self, job) -> bool:
+        family = job["group"].split("__eps")[0]
+        return "scatter" not in family or family in self.ready_families
+
+    def take(self, kind: str):
+        """The next job for a worker of ``kind``, or None when none fits before the deadline."""
+        with self.lock:
+            left = self.deadline - time.time()
+            options = [j for j in self.jobs if self._available(j)]
+            if kind == "gpu":
+                options = [j for j in options if MARGIN * self.gpu_estimate(j) < left]
+                options.sort(key=lambda j: -self.cpu_estimate(j))
+            else:
+                options = [j for j in options if MARGIN * self.cpu_estimate(j) < left]
+                options.sort(key=self.cpu_estimate)
+            if not options:
+                return None
+            self.jobs.remove(options[0])
+            return options[0]
+
+    def waiting(self) -> bool:
+        """Whether a worker with nothing to take now may get a job later (features pending,
+        seeds to queue, a failed job back)."""
+        with self.lock:
+            return bool(self.jobs) and time.time() < self.deadline - 60
+
+    def finish(self, job, kind, began, outcome):
+        name = f"{job['group']}/{self.sweep.run_dir_name(job['method'], job['trial'], job['seed'])}"
+        took = time.time() - began
+        with self.lock:
+            self.done.append(dict(run=name, kind=kind, began_s=round(began - self.start, 1),
+                                  took_s=round(took, 1), outcome=outcome))
+            if outcome == "published" and kind == "gpu":
+                self.gpu_ratio.append(took / self.cpu_estimate(job))
+            if outcome.startswith("failed") and time.time() < self.deadline:
+                self.failures[name] = self.failures.get(name, 0) + 1
+                if self.failures[name] < 2:
+                    self.jobs.append(job)  # once more (on whichever worker takes it)
+                gpu_done = [d for d in self.done if d["kind"] == "gpu"]
+                if kind == "gpu" and not any(d["outcome"] == "published" for d in gpu_done) \
+                        and len(gpu_done) >= 2:
+                    self.gpu_disabled = True
+            if outcome in ("published", "diverged"):
+                self._maybe_seeds(job["group"])
+        self.log(f"{kind} {name}: {outcome} in {took:.0f}s")
+
+    def log(self, text):
+        print(f"[{time.time() - self.start:6.0f}s] {text}", flush=True)
+
+
+_local = threading.local()
+
+
+def _patched_run(original):
+    def run(command, **kwargs):
+        env = dict(os.environ)
+        env.update(GPU_ENV if getattr(_local, "kind", "cpu") == "gpu" else CPU_ENV)
+        kwargs["env"] = env
+        return original(command, **kwargs)
+    return run
+
+
+def worker(pool: Pool, kind: str):
+    _local.kind = kind
+    while time.time() < pool.deadline:
+        if kind == "gpu" and pool.gpu_disabled:
+            _local.kind = kind = "cpu"
+        job = pool.take(kind)
+        if job is None:
+            if not pool.waiting():
+                return
+            time.sleep(5)
+            continue
+        began = time.time()
+        try:
+            result = pool.sweep.run_job(job)
+            outcome = "diverged" if result["diverged"] else "published"
+        except Exception as e:  # a trial's failure (or the deadline's kill): logged, retried once
+            outcome = f"failed: {str(e)[-300:]}"
+        pool.finish(job, kind, began, outcome)
+
+
+def precompute_features(pool: Pool, repo: Path):
+    """Each scatter family's features computed once (the cache every trial then reads), on
+    the CPU, before that family's trials are released."""
+    for group, plan in pool.plans.items():
+        family = group.split("__eps")[0]
+        if "scatter" not in family or family in pool.ready_families:
+            continue
+        m = next(iter(plan["methods"].values()))
+        code = ("import sys, json; from dpbench import config, data; "
+                "config.parse_config(json.loads(sys.argv[1]), json.loads(sys.argv[2])); "
+                "data.load_dataset()")
+        t0 = time.time()
+        proc = subprocess.run([sys.executable, "-c", code, json.dumps(m["gin_files"]),
+                               json.dumps(m["trials"][0])], cwd=repo,
+                              env={**os.environ, **CPU_ENV}, capture_output=True, text=True)
+        pool.log(f"{family} features: exit {proc.returncode} in {time.time() - t0:.0f}s "
+                 f"{proc.stderr[-400:] if proc.returncode else ''}")
+        with pool.lock:
+            pool.ready_families.add(family)  # on failure the trials compute them themselves
+
+
+def kill_children():
+    import psutil
+    for child in psutil.Process().children(recursive=True):
+        try:
+            child.kill()
+        except psutil.NoSuchProcess:
+            pass
+
+
+def pack(pool: Pool, out: Path):
+    """What has left so far into ``out`` (each file replaced whole: renamed into place)."""
+    out.mkdir(parents=True, exist_ok=True)
+    records = pool.args.records
+    with pool.lock:
+        done = list(pool.done)
+        left = [f"{j['group']}/{j['method']}-t{j['trial']}-seed{j['seed']}" for j in pool.jobs]
+    with tarfile.open(out / "records.tar.gz.part", "w:gz") as tar:
+        for group in pool.plans:
+            for name in sorted(published_runs(records, group) - pool.initial[group]):
+                tar.add(records / group / name, arcname=f"{group}/{name}")
+    os.replace(out / "records.tar.gz.part", out / "records.tar.gz")
+    with tarfile.open(out / "failed_logs.tar.gz.part", "w:gz") as tar:
+        for d in done:
+            if d["outcome"] != "published":
+                log = pool.args.runs_dir / f"{d['run']}.log"
+                if log.exists():
+                    data = log.read_bytes()[-20000:]
+                    info = tarfile.TarInfo(d["run"] + ".log")
+                    info.size = len(data)
+                    tar.addfile(info, io.BytesIO(data))
+    os.replace(out / "failed_logs.tar.gz.part", out / "failed_logs.tar.gz")
+    (out / "pool.json.part").write_text(json.dumps(dict(
+        done=done, left=left, gpu_disabled=pool.gpu_disabled, gpu_ratio=pool.gpu_ratio,
+        elapsed_s=round(time.time() - pool.start, 1)), indent=1))
+    os.replace(out / "pool.json.part", out / "pool.json")
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--repo", type=Path, required=True)
+    parser.add_argument("--records", type=Path, required=True)
+    parser.add_argument("--groups", nargs="+", required=True)
+    parser.add_argument("--runs_dir", type=Path, required=True)
+    parser.add_argument("--deadline_s", type=float, required=True)
+    parser.add_argument("--gpu_workers", type=int, default=0)
+    parser.add_argument("--cpu_workers", type=int, default=1)
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--pack_every_s", type=float, default=60.0)
+    args = parser.parse_args(argv)
+    args.repo, args.records = args.repo.resolve(), args.records.resolve()
+    args.runs_dir = args.runs_dir.resolve()
+    args.runs_dir.mkdir(parents=True, exist_ok=True)
+    sys.path.insert(0, str(args.repo))
+    from dpbench import sweep  # the checkout's own, at the group's commit
+    assert Path(sweep.REPO).resolve() == args.repo, (sweep.REPO, args.repo)
+    subprocess.run = _patched_run(subprocess.run)  # run_job's child gets its worker's env
+    plans = [json.loads((args.records / g / "search.json").read_text()) for g in args.groups]
+    pool = Pool(sweep, plans, args)
+    pool.log(f"{len(pool.jobs)} jobs queued; {args.gpu_workers} GPU + {args.cpu_workers} CPU "
+             f"workers; deadline {args.deadline_s:.0f}s")
+    threads = [threading.Thread(target=precompute_features, args=(pool, args.repo), daemon=True)]
+    threads += [threading.Thread(target=worker, args=(pool, kind), daemon=True)
+                for kind in ["gpu"] * args.gpu_workers + ["cpu"] * args.cpu_workers]
+    for t in threads:
+        t.start()
+    packed = time.time()
+    while time.time() < pool.deadline and any(t.is_alive() for t in threads[1:]):
+        time.sleep(2)
+        if time.time() - packed > args.pack_every_s:  # a call cut off early still returns these
+            pack(pool, args.out)
+            packed = time.time()
+    pool.deadline = 0  # workers take nothing more
+    kill_children()
+    for t in threads:
+        t.join(timeout=20)
+    pack(pool, args.out)
+    published = sum(d["outcome"] == "published" for d in pool.done)
+    pool.log(f"done: {published} published, {len(pool.jobs)} left")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

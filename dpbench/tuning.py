@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -137,34 +138,31 @@ def _rdp_curve(event: dp_event.DpEvent, orders) -> tuple[np.ndarray, float]:
 
 
 def search_epsilon(trial0_event: dp_event.DpEvent, support_events, *, mean_random: float,
-                   shape: float, delta: float, fixed_random: int | None = None) -> float:
+                   shape: float, delta: float) -> float:
     """Epsilon at ``delta`` of releasing the winner of trial 0 plus J ~ TNB(mean_random, shape)
-    random trials, each a run whose event is one of ``support_events``. With ``fixed_random``
-    = J (a fixed K = 1 + J, e.g. a smoke test) the random trials are composed instead: J times
-    the worst support point (releasing the best of K runs is post-processing of all K)."""
+    random trials, each a run whose event is one of ``support_events`` (K secret; a fixed K is
+    the composition of its runs, ``composition_epsilon``)."""
     orders = np.asarray(rdp_privacy_accountant.DEFAULT_RDP_ORDERS, dtype=np.float64)
     rdp0, overflow0 = _rdp_curve(trial0_event, orders)
     curves = [_rdp_curve(e, orders) for e in support_events]
     worst = np.max([c for c, _ in curves], axis=0)
     overflow = overflow0 + mean_random * max(o for _, o in curves)
-    if fixed_random is not None:
-        overflow = overflow0 + fixed_random * max(o for _, o in curves)
-        # J identical releases; J = 0 adds nothing (0 * inf, at orders where a run's RDP is
-        # infinite, would be NaN, which compute_epsilon reads as epsilon 0)
-        rdp = rdp0 + (fixed_random * worst if fixed_random else 0.0)
-    else:
-        rdp = rdp0 + np.asarray(rdp_privacy_accountant._compute_rdp_repeat_and_select(
-            orders, worst, mean_random, shape))
+    rdp = rdp0 + np.asarray(rdp_privacy_accountant._compute_rdp_repeat_and_select(
+        orders, worst, mean_random, shape))
     if np.isnan(rdp).any():  # never: a NaN order would read as free
         raise AssertionError("the search's RDP curve has NaN orders")
     # TV distance of the truncated search from the Poisson one: overflow (union bound over the
     # expected number of runs); it costs (1 + e^eps) * overflow of delta, with eps the result.
     epsilon = rdp_privacy_accountant.compute_epsilon(orders, rdp, delta)[0]
     cap = epsilon + 1.0
-    left = delta - (1.0 + math.exp(cap)) * overflow
+    charge = 0.0 if overflow == 0 else (  # math.exp overflows past 709: no bound there anyway
+        math.inf if cap > 700 else (1.0 + math.exp(cap)) * overflow)
+    left = delta - charge
     if left <= 0:
-        raise accounting.BudgetError("truncated-batch overflow uses up delta in the search's "
-                                     "accounting; raise sampler.overflow_stddevs")
+        raise accounting.BudgetError(
+            f"truncated-batch overflow uses up delta in the search's accounting: P[some batch "
+            f"overflows] {overflow:.3g} times (1 + e^{cap:.3g}) exceeds delta {delta:g}; runs "
+            "with a larger sampler.overflow_stddevs (a larger padded batch) bound it")
     epsilon = rdp_privacy_accountant.compute_epsilon(orders, rdp, left)[0]
     if epsilon > cap:  # cannot happen (a smaller delta moves epsilon by far less than 1)
         raise AssertionError("search epsilon moved by more than its cap")
@@ -179,6 +177,20 @@ def published_epsilon(events, delta: float, discretization: float = 1e-3) -> flo
     budget = accounting.Budget(epsilon=1.0, delta=delta, accountant="pld",
                                pld_discretization=discretization)
     return accounting.epsilon_of(dp_event.ComposedDpEvent(list(events)), budget)
+
+
+def composed_event(events_json) -> dp_event.DpEvent:
+    """The composition of runs' events (JSON), identical events folded into one
+    self-composition (sorted: the same runs give the same event, whatever their order)."""
+    counts = Counter(json.dumps(e, sort_keys=True) for e in events_json)
+    return dp_event.ComposedDpEvent([
+        dp_event.SelfComposedDpEvent(accounting.event_from_json(json.loads(e)), n)
+        for e, n in sorted(counts.items())])
+
+
+def composition_epsilon(events_json, delta: float) -> float:
+    """``published_epsilon`` of runs' events as records store them (JSON)."""
+    return published_epsilon([composed_event(events_json)], delta)
 
 
 def finished_score(value):
@@ -277,21 +289,31 @@ def search_summary(group_dir) -> dict:
             raise SearchRecordError(f"{group_dir}: {method}'s trial 0 diverged; its event is "
                                     "unknown")
         fixed = "fixed" in law
-        epsilon = search_epsilon(
-            accounting.event_from_json(events[0]),
-            [accounting.event_from_json(e) for e in support.values()],
-            mean_random=0.0 if fixed else float(law["mean_random"]),
-            shape=0.0 if fixed else shape_of(law), delta=plan["delta"],
-            fixed_random=plan["num_random"] if fixed else None)
+        if fixed:  # K public: the K runs' PLD composition (a diverged one at its planned event)
+            epsilon = composition_epsilon(
+                [events[t] if t in events else planned_event(plan, method, t)
+                 for t in range(plan["num_trials"])], plan["delta"])
+        else:
+            epsilon = search_epsilon(
+                accounting.event_from_json(events[0]),
+                [accounting.event_from_json(e) for e in support.values()],
+                mean_random=float(law["mean_random"]), shape=shape_of(law),
+                delta=plan["delta"])
         deployment = law.get("deployment")  # a fixed K's board, and how to deploy it
-        deployment_epsilon = None if deployment is None else search_epsilon(
-            accounting.event_from_json(events[0]),
-            [accounting.event_from_json(e) for e in support.values()],
-            mean_random=float(deployment["mean_random"]), shape=shape_of(deployment),
-            delta=plan["delta"])
+        deployment_epsilon = deployment_note = None
+        if deployment is not None:
+            try:
+                deployment_epsilon = search_epsilon(
+                    accounting.event_from_json(events[0]),
+                    [accounting.event_from_json(e) for e in support.values()],
+                    mean_random=float(deployment["mean_random"]),
+                    shape=shape_of(deployment), delta=plan["delta"])
+            except accounting.BudgetError as e:  # no bound to state: say why, never a number
+                deployment_note = str(e)
         out[method] = dict(num_trials=plan["num_trials"], winner=choose_trial(validation),
                            validation=validation, search_epsilon=epsilon,
                            deployment_epsilon=deployment_epsilon,
+                           deployment_note=deployment_note,
                            law=dict(fixed=law["fixed"]) if fixed else dict(
                                shape=law["shape"], mean_random=law["mean_random"]))
     return out

@@ -9,7 +9,7 @@ import textwrap
 
 import pytest
 from dp_accounting import dp_event
-from dp_accounting.rdp import rdp_privacy_accountant
+from dp_accounting.pld import pld_privacy_accountant
 
 from dpbench import accounting, methods, protocol, tuning
 from tests.conftest import REPO_ROOT
@@ -120,15 +120,23 @@ def test_a_protocol_names_methods_by_folder_and_refuses_an_unknown_or_doubled_on
     (0.197, 1.19, 6),  # a run whose RDP is infinite at small orders (0 x inf once gave eps 0)
 ])
 def test_a_fixed_trial_count_composes_its_runs(q, sigma, steps):
+    """K public: the search's epsilon is dp_accounting's PLD composition of its K runs (two
+    different runs here, as a group's trials are); one run alone falls short of it."""
     event = dp_event.SelfComposedDpEvent(
         dp_event.PoissonSampledDpEvent(q, dp_event.GaussianDpEvent(sigma)), steps)
+    other = dp_event.SelfComposedDpEvent(
+        dp_event.PoissonSampledDpEvent(q, dp_event.GaussianDpEvent(1.1 * sigma)), steps)
+    stored = [accounting.event_to_json(e) for e in (event, other)]
     for fixed in (0, 2):
-        rdp = rdp_privacy_accountant.RdpAccountant()
-        rdp.compose(event, 1 + fixed)
-        got = tuning.search_epsilon(event, [event], mean_random=0.0, shape=0.0, delta=1e-5,
-                                    fixed_random=fixed)
-        assert got == pytest.approx(rdp.get_epsilon(1e-5), rel=1e-9)
-        assert got > 1.0
+        runs = [stored[0]] + [stored[j % 2] for j in range(1, 1 + fixed)]
+        pld = pld_privacy_accountant.PLDAccountant(value_discretization_interval=1e-3)
+        pld.compose(dp_event.ComposedDpEvent(
+            [event] + [(event, other)[j % 2] for j in range(1, 1 + fixed)]))
+        got = tuning.composition_epsilon(runs, 1e-5)
+        assert got == pytest.approx(pld.get_epsilon(1e-5), rel=1e-6)
+        assert got > 0.5  # never the 0 a NaN order once read as
+        if fixed:
+            assert got > 1.3 * tuning.composition_epsilon(runs[:1], 1e-5)
     with pytest.raises(protocol.ProtocolError, match="fixed"):
         protocol._check_trial_law("p.json", {"fixed": 0})
 
@@ -152,11 +160,13 @@ def test_a_researchers_method_goes_from_its_folder_to_the_board(tmp_path):
     summary = tuning.search_summary(group)
     winner = summary["halfclip"]["winner"]
     assert (group / f"halfclip-t{winner}-seed1" / "run_record.json").exists()  # its 2nd seed
-    # K = 2 fixed, one support point (trial 0's own event): the search composes two such runs
-    rdp = rdp_privacy_accountant.RdpAccountant()
-    rdp.compose(accounting._rdp_view(accounting.event_from_json(record["dp_event"]))[0], 2)
+    # K = 2 fixed (public): the search's epsilon is the PLD composition of its two runs
+    pld = pld_privacy_accountant.PLDAccountant(value_discretization_interval=1e-3)
+    for trial in (0, 1):
+        run = json.loads((group / f"halfclip-t{trial}-seed0" / "run_record.json").read_text())
+        pld.compose(accounting.event_from_json(run["dp_event"]))
     assert summary["halfclip"]["num_trials"] == 2
-    assert summary["halfclip"]["search_epsilon"] == pytest.approx(rdp.get_epsilon(1e-5),
+    assert summary["halfclip"]["search_epsilon"] == pytest.approx(pld.get_epsilon(1e-5),
                                                                   rel=1e-6)
     shown = subprocess.run(
         [*dpbench, "board", "--records=board/records", "--methods_dirs", "my_methods"],

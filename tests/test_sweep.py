@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import ray  # noqa: F401  (the [sweep] extra: CI installs it, so this test never skips)
 from dp_accounting import dp_event
+from dp_accounting.pld import pld_privacy_accountant
 from dp_accounting.rdp import rdp_privacy_accountant
 
 from dpbench import accounting, config, sweep, sweep_cost, sweep_secret, tuning
@@ -117,15 +118,29 @@ def test_a_fixed_k_board_states_its_deployments_secret_k_epsilon(finished_sweep,
     summary = tuning.search_summary(group)
     for method in ("dpsgd", "rs"):
         trial0 = json.loads((group / f"{method}-t0-seed0" / "run_record.json").read_text())
+        trial1 = json.loads((group / f"{method}-t1-seed0" / "run_record.json").read_text())
         view, _ = accounting._rdp_view(accounting.event_from_json(trial0["dp_event"]))
-        secret, composed = (rdp_privacy_accountant.RdpAccountant() for _ in range(2))
+        secret = rdp_privacy_accountant.RdpAccountant()
         secret.compose(dp_event.ComposedDpEvent(
             [view, dp_event.RepeatAndSelectDpEvent(view, 3, math.inf)]))
-        composed.compose(view, 2)  # K = 2 runs of the one support point
+        # K = 2 public: the PLD composition of the two runs' own events
+        composed = pld_privacy_accountant.PLDAccountant(value_discretization_interval=1e-3)
+        for run in (trial0, trial1):
+            composed.compose(accounting.event_from_json(run["dp_event"]))
         got = summary[method]
         assert got["deployment_epsilon"] == pytest.approx(secret.get_epsilon(1e-5), rel=1e-3)
-        assert got["search_epsilon"] == pytest.approx(composed.get_epsilon(1e-5), rel=1e-3)
+        assert got["search_epsilon"] == pytest.approx(composed.get_epsilon(1e-5), rel=1e-6)
         assert got["deployment_epsilon"] > got["search_epsilon"]  # mean K 4 > K 2
+        assert got["deployment_note"] is None
+    # a deployment whose expected truncated-batch overflows, times (1 + e^eps), exceed delta
+    # has no RDP bound: no number, and the reason (the board prints it under the group)
+    assert trial0["dp_event"]["event"]["class"] == "TruncatedSubsampledGaussianDpEvent"
+    plan["trials_law"]["deployment"]["mean_random"] = 1e4
+    (group / sweep.SEARCH_FILE).write_text(json.dumps(plan))
+    for got in tuning.search_summary(group).values():
+        assert got["deployment_epsilon"] is None
+        assert "overflow" in got["deployment_note"] and "overflow_stddevs" in got["deployment_note"]
+        assert got["search_epsilon"] > 0  # K public: unaffected
     with pytest.raises(tuning.ProtocolError, match="deployment"):
         from dpbench import protocol
         protocol._check_trial_law("p.json", {"fixed": 8, "deployment": {"mean_random": 7}})
@@ -551,6 +566,24 @@ def test_a_paired_group_gets_v3_verdicts_intervals_both_epsilons_and_a_forest_pl
     board.build(records, tmp_path / "b", claims_json=config.REPO_ROOT / "leaderboard" /
                 "claims.json")
     assert (tmp_path / "b" / "README.md").read_text() == text
+
+
+def test_a_deployment_without_an_rdp_bound_is_shown_with_its_reason(finished_sweep, tmp_path):
+    """A deployment law whose expected truncated-batch overflows use up delta (mean K 10^4
+    here; board v3's Nasr at K 8, whose padded batch of 256 overflows more often): its 'K
+    secret' cell says none and the group's text says why; 'all published' is unaffected."""
+    from dpbench import board
+    records, group = _paired_board_records(finished_sweep, tmp_path)
+    plan = json.loads((group / sweep.SEARCH_FILE).read_text())
+    plan["trials_law"]["deployment"]["mean_random"] = 1e4
+    (group / sweep.SEARCH_FILE).write_text(json.dumps(plan))
+    board.build(records, tmp_path / "a", claims_json=config.REPO_ROOT / "leaderboard" /
+                "claims.json")
+    text = (tmp_path / "a" / "README.md").read_text()
+    row = _v3_row(text, "rs")
+    assert row["ε, K secret (deployment)"].startswith("none: truncated-batch overflow")
+    assert float(row["ε, all published"]) > 0
+    assert "rs has no 'ε, K secret': truncated-batch overflow uses up delta" in text
 
 
 def test_a_superseded_search_joins_its_methods_published_epsilon(finished_sweep, tmp_path):

@@ -99,9 +99,17 @@ def _paired_verdicts(table, finished, history, claims, out_dir, earlier_records,
                         baseline=baseline_text(analysis["baseline"]) + " Junk: {} of {} "
                         "random trials end more than 5 points below the group's best (or "
                         "diverged).".format(*analysis["junk"])
-                        + _superseded_text(analysis, earlier_search, out_dir),
+                        + _superseded_text(analysis, earlier_search, out_dir)
+                        + _deployment_text(analysis),
                         table=v3_table(analysis, earlier), analysis=analysis))
     return out
+
+
+def _deployment_text(analysis: dict) -> str:
+    """Why a method has no 'K secret' epsilon (paired.analyse_group's deployment_note)."""
+    notes = {m: r["deployment_note"] for m, r in sorted(analysis["methods"].items())
+             if r.get("deployment_note")}
+    return "".join(f" {m} has no 'ε, K secret': {note}." for m, note in notes.items())
 
 
 def _superseded_text(analysis: dict, earlier_search, out_dir: Path) -> str:

@@ -23,7 +23,6 @@ same bytes.
 from __future__ import annotations
 
 import json
-from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -86,17 +85,8 @@ def superseded_events(superseded_dir, method: str) -> list:
             sorted(Path(superseded_dir).glob(f"{method}-t*-seed*/run_record.json"))]
 
 
-def composed_event(events_json) -> dp_event.DpEvent:
-    """The composition of the runs' events, identical events folded into one self-composition
-    (sorted: the same runs give the same event, whatever their order)."""
-    counts = Counter(json.dumps(e, sort_keys=True) for e in events_json)
-    return dp_event.ComposedDpEvent([
-        dp_event.SelfComposedDpEvent(accounting.event_from_json(json.loads(e)), n)
-        for e, n in sorted(counts.items())])
-
-
 def published_epsilon(events_json, delta: float) -> float:
-    return tuning.published_epsilon([composed_event(events_json)], delta)
+    return tuning.composition_epsilon(events_json, delta)
 
 
 JUNK_POINTS = 0.05  # a random trial this far (test accuracy) below its group's best is junk
@@ -148,6 +138,7 @@ def analyse_group(group_dir, claims: dict, baseline_best=None, draws: int = DRAW
                                                        plan["delta"]),
                    superseded_runs=len(earlier),
                    deployment_epsilon=s.get("deployment_epsilon"),
+                   deployment_note=s.get("deployment_note"),
                    claim=claims.get(method, {}),
                    claim_range=methods.claim_range(claims.get(method, {}).get("claim_gain"),
                                                    epsilon))

@@ -31,10 +31,11 @@ SELECTION_RULE = (
     "once both rows have 2 or more seeds.\n"
     "- **Tuning** ('trials K', 'ε incl. tuning': groups run by `dpbench sweep`, each with the "
     "`search.json` its protocol wrote): every method of a group ran the same K trials (trial 0 "
-    "its recipe, the others drawn from the group's search space); 'ε incl. tuning' is the RDP "
-    "epsilon of releasing the search's winner, recomputed from the records (trial 0 composed "
-    "with dp_accounting's RepeatAndSelectDpEvent over the space's worst run for a random K, "
-    "with the K runs for a fixed K). It covers a release of the one selected model with K and "
+    "its recipe, the others drawn from the group's search space); 'ε incl. tuning' is the "
+    "epsilon of releasing the search's winner, recomputed from the records: for a random K the "
+    "RDP epsilon of trial 0 composed with dp_accounting's RepeatAndSelectDpEvent over the "
+    "space's worst run, for a fixed K the PLD composition of the K runs. The first covers a "
+    "release of the one selected model with K and "
     "the other trials kept secret: this board publishes them all, for research; the winner's "
     "retrainings on the other seeds (the spread) are further runs it does not cover either.")
 

@@ -120,6 +120,15 @@ def baseline_text(check: dict) -> str:
     return head + "ok (not significantly below it)."
 
 
+def deployment_cell(row: dict) -> str:
+    """The 'K secret' epsilon, or why there is none (RDP's charge for truncated batches)."""
+    if row["deployment_epsilon"] is not None:
+        return f"{row['deployment_epsilon']:.3f}"
+    if row.get("deployment_note"):
+        return "none: truncated-batch overflow uses up δ in RDP (see the group's notes)"
+    return "n/a"
+
+
 def v3_table(analysis: dict, earlier: dict) -> tuple:
     """(title, rows of cells) of one paired group's verdicts; ``earlier``: (model, epsilon,
     method) -> (gain, s.e.) of the previous board (v2_gains)."""
@@ -134,7 +143,7 @@ def v3_table(analysis: dict, earlier: dict) -> tuple:
             method, r["claim"].get("paper", "n/a"), r["claim"].get("claim", "n/a"),
             f"{100 * i['gain']:+.2f}", f"[{100 * i['low']:+.2f}, {100 * i['high']:+.2f}]",
             r["verdict"], "n/a" if r["win_rate"] is None else f"{r['win_rate']:.2f}",
-            "n/a" if r["deployment_epsilon"] is None else f"{r['deployment_epsilon']:.3f}",
+            deployment_cell(r),
             f"{r['published_epsilon']:.3f}",
             "n/a" if before is None else gain_text(*before)])
     return (f"Verdicts: {analysis['group']}", cells)

@@ -1,0 +1,139 @@
+"""tools/sweep_pool.py: the Ray-free pool that ran board v3's trials on a lent GPU machine. Its
+scheduling (GPU workers the slowest trials, CPU workers the cheapest that fit the deadline), the
+seeds queued once a group's search is published, a failed trial retried once, the GPU given up
+after two failures with no success, and what it packs for the trip back."""
+
+import argparse
+import importlib.util
+import json
+import tarfile
+import time
+
+import pytest
+
+from dpbench import sweep
+from tests.conftest import REPO_ROOT
+
+GROUP = "digits__logistic__eps3.0__delta1e-05"
+
+
+def load_pool_module():
+    spec = importlib.util.spec_from_file_location("sweep_pool",
+                                                  REPO_ROOT / "tools" / "sweep_pool.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def make_pool(tmp_path, deadline_s=1000.0, published=()):
+    """A pool over one group (methods fast and slow, K = 2, seeds 0 and 1), with ``published``
+    runs' records already there (fast's: 100 s each, slow's: 400 s)."""
+    pool_module = load_pool_module()
+    plan = dict(group=GROUP, epsilon=3.0, delta=1e-5, seeds=[0, 1], num_trials=2,
+                methods={m: dict(gin_files=["gin/data/digits.gin"], trials=[[], []])
+                         for m in ("fast", "slow")})
+    records = tmp_path / "records"
+    (records / GROUP).mkdir(parents=True)
+    (records / GROUP / "search.json").write_text(json.dumps(plan))
+    for name, wall, accuracy in published:
+        publish(records, name, wall, accuracy)
+    args = argparse.Namespace(records=records, runs_dir=tmp_path / "runs",
+                              deadline_s=deadline_s, out=tmp_path / "out")
+    return pool_module, pool_module.Pool(sweep, [plan], args)
+
+
+def publish(records, name, wall, accuracy, seed=0):
+    target = records / GROUP / name
+    target.mkdir(parents=True, exist_ok=True)
+    (target / "run_record.json").write_text(json.dumps(
+        dict(wall_time_s=wall, validation_accuracy=accuracy, seed=seed)))
+
+
+def names(jobs):
+    return sorted(f"{j['method']}-t{j['trial']}-seed{j['seed']}" for j in jobs)
+
+
+def test_gpu_workers_take_the_slowest_trials_and_cpu_workers_the_cheapest_that_fit(tmp_path):
+    _, pool = make_pool(tmp_path, published=[("fast-t0-seed0", 100.0, 0.8),
+                                             ("slow-t0-seed0", 400.0, 0.8)])
+    assert names(pool.jobs) == ["fast-t1-seed0", "slow-t1-seed0"]  # published ones skipped
+    assert pool.take("gpu")["method"] == "slow"
+    assert pool.take("cpu")["method"] == "fast"
+    assert pool.take("cpu") is None and pool.take("gpu") is None
+
+
+def test_nothing_is_started_that_cannot_finish_before_the_deadline(tmp_path):
+    _, pool = make_pool(tmp_path, deadline_s=200.0,  # 1.3 x 400 s > 200 s > 1.3 x 100 s
+                        published=[("fast-t0-seed0", 100.0, 0.8),
+                                   ("slow-t0-seed0", 400.0, 0.8)])
+    assert pool.take("cpu")["method"] == "fast"
+    assert pool.take("cpu") is None  # slow's 400 s would be killed at the deadline
+    assert pool.take("gpu")["method"] == "slow"  # no GPU time measured yet: 150 s assumed
+    for ratio, method in ((0.5, "slow"), (1.0, "fast")):  # GPU runs measured at ratio x CPU
+        _, later = make_pool(tmp_path / str(ratio), deadline_s=300.0,
+                             published=[("fast-t0-seed0", 100.0, 0.8),
+                                        ("slow-t0-seed0", 400.0, 0.8)])
+        later.gpu_ratio.append(ratio)
+        assert later.take("gpu")["method"] == method  # 1.3 x 400 s at ratio 1 misses 300 s
+
+
+def test_scatter_trials_wait_for_their_features(tmp_path):
+    _, pool = make_pool(tmp_path)
+    job = dict(pool.jobs[0], group="fashion_mnist__scatter_linear__eps3.0__delta1e-05")
+    pool.jobs = [job]
+    assert pool.take("cpu") is None and pool.waiting()
+    pool.ready_families.add("fashion_mnist__scatter_linear")
+    assert pool.take("cpu") is job
+
+
+def test_the_workers_publish_the_search_then_the_winners_seeds_and_pack_them(
+        tmp_path, monkeypatch):
+    pool_module, pool = make_pool(tmp_path)
+    ran = []
+
+    def fake_run_job(job):  # as sweep.run_job: publishes the record, returns the result
+        ran.append((job["method"], job["trial"], job["seed"]))
+        accuracy = 0.9 if job["trial"] == 1 else 0.7
+        publish(pool.args.records, sweep.run_dir_name(job["method"], job["trial"], job["seed"]),
+                1.0, accuracy, seed=job["seed"])
+        return dict(validation_accuracy=accuracy, diverged=False)
+
+    monkeypatch.setattr(sweep, "run_job", fake_run_job)
+    monkeypatch.setattr(pool_module.time, "sleep", lambda s: None)
+    pool_module.worker(pool, "cpu")
+    search = [(m, t, 0) for m in ("fast", "slow") for t in (0, 1)]
+    assert sorted(ran[:4]) == sorted(search)
+    assert sorted(ran[4:]) == [("fast", 1, 1), ("slow", 1, 1)]  # each winner (trial 1), seed 1
+    assert GROUP in pool.seeded and not pool.jobs
+    pool_module.pack(pool, pool.args.out)
+    with tarfile.open(pool.args.out / "records.tar.gz") as tar:
+        packed = sorted(n for n in tar.getnames() if n.endswith("run_record.json"))
+    assert packed == sorted(f"{GROUP}/{m}-t{t}-seed{s}/run_record.json" for m, t, s in ran)
+    done = json.loads((pool.args.out / "pool.json").read_text())["done"]
+    assert len(done) == 6 and {d["outcome"] for d in done} == {"published"}
+
+
+def test_a_failed_trial_is_retried_once_and_the_gpu_given_up_after_two_failures(tmp_path):
+    _, pool = make_pool(tmp_path, published=[("fast-t0-seed0", 100.0, 0.8),
+                                             ("slow-t0-seed0", 400.0, 0.8),
+                                             ("slow-t1-seed0", 400.0, 0.8)])
+    job = pool.take("gpu")  # fast-t1, the one job left
+    began = time.time()
+    pool.finish(job, "gpu", began, "failed: no CUDA device")
+    assert job in pool.jobs and not pool.gpu_disabled  # back in the list, once
+    again = pool.take("gpu")
+    assert again is job
+    pool.finish(again, "gpu", began, "failed: no CUDA device")
+    assert again not in pool.jobs  # twice: dropped
+    assert pool.gpu_disabled  # two GPU failures and no GPU success: CPU workers from now on
+
+
+@pytest.mark.parametrize("kind,expected", [("gpu", "highest"), ("cpu", None)])
+def test_each_worker_kind_runs_its_child_with_its_environment(kind, expected):
+    pool_module = load_pool_module()
+    seen = {}
+    run = pool_module._patched_run(lambda command, **kw: seen.update(kw["env"]))
+    pool_module._local.kind = kind
+    run(["true"])
+    assert seen.get("JAX_DEFAULT_MATMUL_PRECISION") == expected
+    assert (seen.get("JAX_PLATFORMS") == "cpu") is (kind == "cpu")

@@ -1,0 +1,65 @@
+#!/usr/bin/env bash
+# Board v3's sweep trials on a lent accelerator machine (one GPU, 16 cores, no network), as
+# session 37 ran 92 of them (leaderboard/sweep-v3/NOTE.md). Two halves:
+#
+#   here:  bash tools/sweep_on_device.sh prepare COMMIT
+#          fills .device/ (git-ignored): a clean clone of COMMIT (the commit the groups' records
+#          come from), the pinned wheels the machine lacks, Debian's Fashion-MNIST files.
+#          One commit per call: two clones, the data and the board's records exceed the 64 MiB
+#          that travels.
+#   there: bash tools/sweep_on_device.sh run GROUP [GROUP ...]   (carry .device; $OUT set)
+#          installs the wheels, then tools/sweep_pool.py runs the groups' unpublished trials
+#          until POOL_BUDGET seconds (default 545) after the start; GPU_WORKERS (8) and
+#          CPU_WORKERS (7) workers. $OUT gets records.tar.gz, pool.json, the logs.
+#
+# Back here: tar xzf <files_at>/records.tar.gz -C leaderboard/sweep-v3/records --skip-old-files
+# (check each record's git_commit), before any further call: the next call sends this tree's
+# records, and a trial not among them would run again.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+# the wheels of tools/constraints.txt that the machine's image lacks or has at other versions
+WHEELS=(appdirs==1.4.4 attrs==23.2.0 chex==0.1.92 configparser==7.3.0 dm-tree==0.1.10
+        dp-accounting==0.6.0 flax==0.12.8 gin-config==0.5.0 kymatio==0.3.0 optax==0.2.8
+        orbax-checkpoint==0.12.8)
+
+case "${1:-}" in
+prepare)
+  commit="${2:?usage: $0 prepare COMMIT}"
+  grep -qx "/.device/" .git/info/exclude 2>/dev/null || echo "/.device/" >> .git/info/exclude
+  rm -rf .device && mkdir -p .device/whl .device/fmnist
+  git clone -q --no-local . .device/src && git -C .device/src checkout -q "$commit"
+  git -C .device/src gc -q --prune=now
+  python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+    --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 \
+    -d .device/whl "${WHEELS[@]}"
+  cp /usr/share/datasets/fashion-mnist/*.gz .device/fmnist/
+  du -sh .device
+  ;;
+run)
+  shift
+  [ "$#" -gt 0 ] || { echo "usage: $0 run GROUP [GROUP ...]" >&2; exit 2; }
+  start=$(date +%s)
+  exec > >(tee "$OUT/setup.log") 2>&1
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .device/whl/*.whl
+  export PYTHONPATH=/tmp/site
+  mkdir -p /usr/share/datasets/fashion-mnist
+  cp .device/fmnist/*.gz /usr/share/datasets/fashion-mnist/
+  git config --global --add safe.directory '*'  # the copied clone's owner may differ
+  git -C .device/src rev-parse HEAD
+  [ -z "$(git -C .device/src status --porcelain --untracked-files=no)" ] \
+    || { echo "the clone is not clean: its records would not be its commit's" >&2; exit 2; }
+  python3 -c "import jax, flax, numpy, scipy; print(jax.__version__, jax.devices(),
+              flax.__version__, numpy.__version__, scipy.__version__)"
+  left=$(( ${POOL_BUDGET:-545} - ($(date +%s) - start) ))
+  PYTHONUNBUFFERED=1 python3 tools/sweep_pool.py --repo=.device/src \
+    --records=leaderboard/sweep-v3/records --groups "$@" --runs_dir=/tmp/runs \
+    --deadline_s="$left" --gpu_workers="${GPU_WORKERS:-8}" --cpu_workers="${CPU_WORKERS:-7}" \
+    --out="$OUT" 2>&1 | tee "$OUT/driver.log"
+  ;;
+*)
+  echo "usage: $0 prepare COMMIT | run GROUP [GROUP ...]" >&2
+  exit 2
+  ;;
+esac

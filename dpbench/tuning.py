@@ -32,6 +32,7 @@ publishes all trials for research; it is not such a release: what the board publ
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 from collections import Counter
@@ -131,10 +132,21 @@ def _rdp_curve(event: dp_event.DpEvent, orders) -> tuple[np.ndarray, float]:
     (accounting._rdp_view). dp_accounting keeps the composed curve in ``_rdp`` (no public
     getter); the version is pinned (tools/constraints.txt) and tests/test_tuning.py checks this
     path against the public RepeatAndSelectDpEvent for a single-point support."""
-    view, overflow = accounting._rdp_view(event)
-    acc = rdp_privacy_accountant.RdpAccountant(orders)
-    acc.compose(view)
-    return np.asarray(acc._rdp, dtype=np.float64), overflow
+    key = (repr(event), tuple(float(o) for o in orders))
+    if key not in _RDP_CURVES:
+        view, overflow = accounting._rdp_view(event)
+        acc = rdp_privacy_accountant.RdpAccountant(list(key[1]))
+        acc.compose(view)
+        _RDP_CURVES[key] = np.asarray(acc._rdp, dtype=np.float64), overflow
+    curve, overflow = _RDP_CURVES[key]
+    return curve.copy(), overflow
+
+
+# A board asks for the same run's curve and the same composition many times (each method's
+# row, its verdict, the search summary of every table that shows the group): computed once
+# per content. The key is the event's repr (every field, floats exactly), never a path, so
+# a changed record can never hit a stale entry.
+_RDP_CURVES: dict = {}
 
 
 def search_epsilon(trial0_event: dp_event.DpEvent, support_events, *, mean_random: float,
@@ -190,7 +202,15 @@ def composed_event(events_json) -> dp_event.DpEvent:
 
 def composition_epsilon(events_json, delta: float) -> float:
     """``published_epsilon`` of runs' events as records store them (JSON)."""
-    return published_epsilon([composed_event(events_json)], delta)
+    return _composition_epsilon_of(
+        tuple(sorted(json.dumps(e, sort_keys=True) for e in events_json)), float(delta))
+
+
+@functools.lru_cache(maxsize=1024)
+def _composition_epsilon_of(events_key: tuple, delta: float) -> float:
+    """``composition_epsilon`` once per content: the sorted events' JSON (the composition
+    does not depend on the order of its runs) and delta."""
+    return published_epsilon([composed_event([json.loads(e) for e in events_key])], delta)
 
 
 def finished_score(value):

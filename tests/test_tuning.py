@@ -9,7 +9,7 @@ import scipy.stats
 from dp_accounting import dp_event
 from dp_accounting.rdp import rdp_privacy_accountant
 
-from dpbench import config, tuning
+from dpbench import accounting, config, tuning
 
 # DESIGN.md section 7's run: DP-SGD at eps 3 on the tanh CNN (q 0.0186, sigma 1.276, 1612 steps)
 RUN = dp_event.SelfComposedDpEvent(
@@ -273,3 +273,35 @@ def test_the_published_epsilon_is_dp_accountings_pld_composition_of_every_run():
     assert got == pytest.approx(want.get_epsilon(1e-5), rel=1e-9)
     largest = max(tuning.published_epsilon([e], 1e-5) for e in stored)
     assert got > 1.3 * largest  # three similar runs: about sqrt(3) times one
+
+
+def test_the_memoised_epsilons_are_keyed_on_the_events_content_not_on_their_identity():
+    """A board asks for the same composition and the same run's RDP curve many times; the memo
+    must give what a fresh computation gives, and a run whose event differs in one digit of one
+    field (a fresh random sigma, or one step more) must never get the other's number."""
+    rng = np.random.default_rng()
+    sigma = float(rng.uniform(1.0, 2.0))
+
+    def run_json(sigma, steps=200):
+        return {"class": "SelfComposedDpEvent", "count": steps, "event": {
+            "class": "PoissonSampledDpEvent", "sampling_probability": 0.02,
+            "event": {"class": "GaussianDpEvent", "noise_multiplier": sigma}}}
+
+    events = [run_json(sigma), run_json(sigma * 1.3)]
+    fresh = tuning.published_epsilon([tuning.composed_event(events)], 1e-5)
+    assert tuning.composition_epsilon(events, 1e-5) == fresh
+    assert tuning.composition_epsilon(events[::-1], 1e-5) == fresh  # order-free
+    assert tuning.composition_epsilon([run_json(sigma * (1 - 1e-3)), events[1]], 1e-5) > fresh
+    assert tuning.composition_epsilon([run_json(sigma, 201), events[1]], 1e-5) > fresh
+    assert tuning.composition_epsilon(events, 1e-6) > fresh
+    # the RDP side: the same content twice, then a run one step longer
+    run = accounting.event_from_json(run_json(sigma))
+    kw = dict(mean_random=3.0, shape=1.0, delta=1e-5)
+    first = tuning.search_epsilon(run, [run], **kw)
+    assert tuning.search_epsilon(accounting.event_from_json(run_json(sigma)),
+                                 [run], **kw) == first
+    theirs = public_epsilon(dp_event.ComposedDpEvent(
+        [run, dp_event.RepeatAndSelectDpEvent(run, 3.0, 1.0)]))
+    assert first == pytest.approx(theirs, rel=1e-12)
+    longer = accounting.event_from_json(run_json(sigma, 201))
+    assert tuning.search_epsilon(longer, [longer], **kw) > first

@@ -7,14 +7,19 @@
 #          come from), the pinned wheels the machine lacks, Debian's Fashion-MNIST files.
 #          One commit per call: two clones, the data and the board's records exceed the 64 MiB
 #          that travels.
-#   there: bash tools/sweep_on_device.sh run GROUP [GROUP ...]   (carry .device; $OUT set)
+#   there: bash tools/sweep_on_device.sh run [COMMIT:]GROUP [...]   (carry .device; $OUT set)
 #          installs the wheels, then tools/sweep_pool.py runs the groups' unpublished trials
 #          until POOL_BUDGET seconds (default 545) after the start; GPU_WORKERS (8) and
-#          CPU_WORKERS (7) workers. $OUT gets records.tar.gz, pool.json, the logs.
+#          CPU_WORKERS (7) workers. A group named with another COMMIT (one the clone's history
+#          holds, e.g. 9071232 for the tanh CNN at epsilon 1) runs from a worktree of that
+#          commit, in a pool of its own beside the first (the workers split between the pools:
+#          one process imports one checkout's dpbench). $OUT/COMMIT/ gets each pool's
+#          records.tar.gz, pool.json and logs.
 #
-# Back here: tar xzf <files_at>/records.tar.gz -C leaderboard/sweep-v3/records --skip-old-files
-# (check each record's git_commit), before any further call: the next call sends this tree's
-# records, and a trial not among them would run again.
+# Back here, for each pool: tar xzf <files_at>/COMMIT/records.tar.gz -C
+# leaderboard/sweep-v3/records --skip-old-files (check each record's git_commit), before any
+# further call: the next call sends this tree's records, and a trial not among them would run
+# again.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # the wheels of tools/constraints.txt that the machine's image lacks or has at other versions
@@ -37,7 +42,7 @@ prepare)
   ;;
 run)
   shift
-  [ "$#" -gt 0 ] || { echo "usage: $0 run GROUP [GROUP ...]" >&2; exit 2; }
+  [ "$#" -gt 0 ] || { echo "usage: $0 run [COMMIT:]GROUP [...]" >&2; exit 2; }
   start=$(date +%s)
   exec > >(tee "$OUT/setup.log") 2>&1
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
@@ -47,19 +52,52 @@ run)
   mkdir -p /usr/share/datasets/fashion-mnist
   cp .device/fmnist/*.gz /usr/share/datasets/fashion-mnist/
   git config --global --add safe.directory '*'  # the copied clone's owner may differ
-  git -C .device/src rev-parse HEAD
+  head=$(git -C .device/src rev-parse HEAD)
   [ -z "$(git -C .device/src status --porcelain --untracked-files=no)" ] \
     || { echo "the clone is not clean: its records would not be its commit's" >&2; exit 2; }
   python3 -c "import jax, flax, numpy, scipy; print(jax.__version__, jax.devices(),
               flax.__version__, numpy.__version__, scipy.__version__)"
+  # the groups of each commit (a bare GROUP: the clone's own commit)
+  declare -A groups_of=()
+  for arg in "$@"; do
+    if [[ "$arg" == *:* ]]; then
+      commit=$(git -C .device/src rev-parse --verify "${arg%%:*}^{commit}") \
+        || { echo "${arg%%:*} is not a commit of the clone's history" >&2; exit 2; }
+      group="${arg#*:}"
+    else
+      commit="$head"; group="$arg"
+    fi
+    groups_of[$commit]="${groups_of[$commit]:-} $group"
+  done
+  pools=${#groups_of[@]}
+  gpu=$(( ${GPU_WORKERS:-8} / pools )); cpu=$(( ${CPU_WORKERS:-7} / pools ))
   left=$(( ${POOL_BUDGET:-545} - ($(date +%s) - start) ))
-  PYTHONUNBUFFERED=1 python3 tools/sweep_pool.py --repo=.device/src \
-    --records=leaderboard/sweep-v3/records --groups "$@" --runs_dir=/tmp/runs \
-    --deadline_s="$left" --gpu_workers="${GPU_WORKERS:-8}" --cpu_workers="${CPU_WORKERS:-7}" \
-    --out="$OUT" 2>&1 | tee "$OUT/driver.log"
+  pids=()
+  for commit in "${!groups_of[@]}"; do
+    repo=.device/src
+    if [ "$commit" != "$head" ]; then  # a clean checkout of that commit, same objects
+      repo="/tmp/src-$commit"
+      [ -d "$repo" ] || git -C .device/src worktree add -q --detach "$repo" "$commit"
+      [ "$(git -C "$repo" rev-parse HEAD)" = "$commit" ] \
+        && [ -z "$(git -C "$repo" status --porcelain --untracked-files=no)" ] \
+        || { echo "$repo is not a clean checkout of $commit" >&2; exit 2; }
+    fi
+    mkdir -p "$OUT/$commit"
+    echo "pool of $commit ($repo):${groups_of[$commit]}; $gpu GPU + $cpu CPU workers"
+    # shellcheck disable=SC2086  # the groups are words
+    PYTHONUNBUFFERED=1 python3 tools/sweep_pool.py --repo="$repo" \
+      --records=leaderboard/sweep-v3/records --groups ${groups_of[$commit]} \
+      --runs_dir="/tmp/runs-$commit" --deadline_s="$left" --gpu_workers="$gpu" \
+      --cpu_workers="$cpu" --out="$OUT/$commit" > "$OUT/$commit/driver.log" 2>&1 &
+    pids+=("$!")
+  done
+  status=0
+  for pid in "${pids[@]}"; do wait "$pid" || status=1; done
+  tail -n 40 "$OUT"/*/driver.log
+  exit "$status"
   ;;
 *)
-  echo "usage: $0 prepare COMMIT | run GROUP [GROUP ...]" >&2
+  echo "usage: $0 prepare COMMIT | run [COMMIT:]GROUP [...]" >&2
   exit 2
   ;;
 esac

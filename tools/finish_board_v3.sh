@@ -69,7 +69,7 @@ cat > "$lb/board.json" <<'EOF'
   "superseded": "archive/v3-superseded"
 }
 EOF
-"$dpbench" board
+"$dpbench" board --records="$lb/records"
 bash tools/screenshot_board.sh
 git add -A "$lb"
 echo "board v3 built: look at $lb/screenshot.png; point the docs' leaderboard/sweep-v3 paths

@@ -62,31 +62,36 @@ def print_cost(runs_dir: Path, cpus_per_trial: float) -> None:
 
 
 def progress(records_dir: Path) -> dict:
-    """{group: {"published", "expected", "junk", "random", "core_hours", "left_core_hours"}}
-    of every group under ``records_dir`` with a search.json: runs published (records and
-    diverged runs) of those its search and retrains will publish, the junk rate so far
-    (``board.paired.junk_rate``), the core-hours of the published records (their wall_time_s,
-    one CPU each) and an estimate of the rest: each unpublished run at the median wall time of
-    its method's published runs in the group, else in the family's other groups (None when a
-    method has none anywhere)."""
+    """{group: {"published", "expected", "junk", "random", "core_hours", "gpu_hours",
+    "left_core_hours"}} of every group under ``records_dir`` with a search.json: runs published
+    (records and diverged runs) of those its search and retrains will publish, the junk rate so
+    far (``board.paired.junk_rate``), the core-hours of the published records made on a CPU
+    (their wall_time_s, one CPU each), the GPU-worker hours of those made on a GPU (wall time
+    of a run sharing one GPU with others: not core time), and an estimate of the rest on CPUs:
+    each unpublished run at the median wall time of its method's CPU runs in the group, else
+    in the family's other groups (None when a method has none anywhere)."""
     from dpbench.board import paired  # here: the cost report needs no board
     groups = sorted(p.parent for p in Path(records_dir).glob(f"*/{tuning.SEARCH_FILE}"))
-    walls = {}  # (family, group, method) -> published wall times
+    walls, gpu_walls = {}, {}  # (family, group, method) -> published CPU / GPU wall times
     for group_dir in groups:
         plan = json.loads((group_dir / tuning.SEARCH_FILE).read_text())
         for method in plan["methods"]:
-            walls[plan["family"], group_dir.name, method] = [
-                json.loads(Path(f).read_text())["wall_time_s"] for f in sorted(glob.glob(
-                    str(group_dir / glob.escape(method)) + "-t*-seed*/run_record.json"))]
+            key = plan["family"], group_dir.name, method
+            walls[key], gpu_walls[key] = [], []
+            for f in sorted(glob.glob(
+                    str(group_dir / glob.escape(method)) + "-t*-seed*/run_record.json")):
+                record = json.loads(Path(f).read_text())
+                (gpu_walls if _on_gpu(record) else walls)[key].append(record["wall_time_s"])
     out = {}
     for group_dir in groups:
         plan = json.loads((group_dir / tuning.SEARCH_FILE).read_text())
         published, expected = tuning.search_progress(group_dir)
         junk, random = paired.junk_rate(group_dir)
-        left, spent = 0.0, 0.0
+        left, spent, gpu = 0.0, 0.0, 0.0
         for method in plan["methods"]:
             mine = walls[plan["family"], group_dir.name, method]
             spent += sum(mine)
+            gpu += sum(gpu_walls[plan["family"], group_dir.name, method])
             family = [w for (f, _, m), ws in walls.items() if f == plan["family"]
                       and m == method for w in ws]
             runs_left = plan["num_trials"] + len(plan["seeds"]) - 1 - _published_runs(
@@ -96,8 +101,14 @@ def progress(records_dir: Path) -> dict:
                     mine or family)
         out[group_dir.name] = dict(published=published, expected=expected, junk=junk,
                                    random=random, core_hours=spent / 3600,
+                                   gpu_hours=gpu / 3600,
                                    left_core_hours=None if left is None else left / 3600)
     return out
+
+
+def _on_gpu(record: dict) -> bool:
+    """Whether a run record was made on a GPU (its ``devices``, as jax names them)."""
+    return any(str(d).startswith(("cuda", "gpu", "rocm")) for d in record.get("devices") or [])
 
 
 def _published_runs(group_dir: Path, method: str) -> int:
@@ -110,11 +121,14 @@ def print_progress(records_dir: Path, cpus: int) -> None:
     for group, g in report.items():
         left = "unknown" if g["left_core_hours"] is None else f"~{g['left_core_hours']:.1f}"
         print(f"{group}: {g['published']} of {g['expected']} runs published; junk {g['junk']} "
-              f"of {g['random']} random trials; {g['core_hours']:.2f} core-hours spent, {left} "
-              "left")
+              f"of {g['random']} random trials; {g['core_hours']:.2f} core-hours spent"
+              + (f" (and {g['gpu_hours']:.2f} GPU-worker hours)" if g["gpu_hours"] else "")
+              + f", {left} left")
     spent = sum(g["core_hours"] for g in report.values())
+    gpu = sum(g["gpu_hours"] for g in report.values())
     lefts = [g["left_core_hours"] for g in report.values()]
     left = None if None in lefts else sum(lefts)
-    print(f"total: {spent:.2f} core-hours spent (the records' wall_time_s), "
+    print(f"total: {spent:.2f} core-hours spent (the CPU records' wall_time_s), "
+          + (f"{gpu:.2f} GPU-worker hours (the GPU records'), " if gpu else "")
           + ("left unknown" if left is None else
              f"~{left:.1f} left (~{left / cpus:.1f} h on {cpus} CPUs)"))

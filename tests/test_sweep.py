@@ -314,6 +314,9 @@ def test_the_sweeps_progress_is_read_from_its_published_records(tmp_path, capsys
         ["dpsgd-t0-seed0", "dpsgd-t1-seed0", "dpsgd-t2-seed0", "dpsgd-t0-seed1",
          "rs-t0-seed0", "rs-t1-seed0"], rng.uniform(100, 1000, size=6))}
     accuracy = {"dpsgd-t1-seed0": 0.70}  # the one junk trial: > 5 points below the best 0.86
+    # a run made on a GPU: its wall time is GPU-worker time, neither core time nor a CPU estimate
+    on_gpu = {"rs-t2-seed0"}
+    walls["rs-t2-seed0"] = float(rng.uniform(10, 50))
 
     def group(name, runs, methods=("dpsgd", "rs")):
         (tmp_path / name).mkdir()
@@ -322,21 +325,25 @@ def test_the_sweeps_progress_is_read_from_its_published_records(tmp_path, capsys
         for run in runs:
             (tmp_path / name / run).mkdir()
             (tmp_path / name / run / "run_record.json").write_text(json.dumps(dict(
-                wall_time_s=walls[run], test_accuracy=accuracy.get(run, 0.86))))
-    group("F__eps1", walls)                    # dpsgd done (4 runs), rs 2 of 4
+                wall_time_s=walls[run], test_accuracy=accuracy.get(run, 0.86),
+                devices=["cuda:0"] if run in on_gpu else ["TFRT_CPU_0"])))
+    group("F__eps1", walls)                    # dpsgd done (4 runs), rs 3 of 4 (1 on a GPU)
     group("F__eps3", ["rs-t0-seed0"])          # dpsgd 0 of 4: the family's median
     report = sweep_cost.progress(tmp_path)
     one, three = report["F__eps1"], report["F__eps3"]
-    assert (one["published"], one["expected"], one["junk"], one["random"]) == (6, 8, 1, 3)
-    assert one["core_hours"] == pytest.approx(sum(walls.values()) / 3600)
+    assert (one["published"], one["expected"], one["junk"], one["random"]) == (7, 8, 1, 4)
+    cpu = [w for n, w in walls.items() if n not in on_gpu]
+    assert one["core_hours"] == pytest.approx(sum(cpu) / 3600)
+    assert one["gpu_hours"] == pytest.approx(walls["rs-t2-seed0"] / 3600)
     rs = [walls["rs-t0-seed0"], walls["rs-t1-seed0"]]
-    assert one["left_core_hours"] == pytest.approx(2 * np.median(rs) / 3600)
+    assert one["left_core_hours"] == pytest.approx(1 * np.median(rs) / 3600)
     dpsgd = [w for n, w in walls.items() if n.startswith("dpsgd")]
     assert three["left_core_hours"] == pytest.approx(
         (4 * np.median(dpsgd) + 3 * walls["rs-t0-seed0"]) / 3600)
     sweep_cost.print_progress(tmp_path, 2)
     out = capsys.readouterr().out
-    assert "F__eps1: 6 of 8 runs published; junk 1 of 3 random trials" in out
+    assert "F__eps1: 7 of 8 runs published; junk 1 of 4 random trials" in out
+    assert f"{one['gpu_hours']:.2f} GPU-worker hours" in out
     total = one["left_core_hours"] + three["left_core_hours"]
     assert f"~{total:.1f} left (~{total / 2:.1f} h on 2 CPUs)" in out
     group("F__eps8", [], methods=("gep",))     # a method with no run anywhere: unknown

@@ -42,11 +42,11 @@ def make_pool(tmp_path, deadline_s=1000.0, published=()):
     return pool_module, pool_module.Pool(sweep, [plan], args)
 
 
-def publish(records, name, wall, accuracy, seed=0):
+def publish(records, name, wall, accuracy, seed=0, devices=("cpu:0",)):
     target = records / GROUP / name
     target.mkdir(parents=True, exist_ok=True)
     (target / "run_record.json").write_text(json.dumps(
-        dict(wall_time_s=wall, validation_accuracy=accuracy, seed=seed)))
+        dict(wall_time_s=wall, validation_accuracy=accuracy, seed=seed, devices=list(devices))))
 
 
 def names(jobs):
@@ -75,6 +75,32 @@ def test_nothing_is_started_that_cannot_finish_before_the_deadline(tmp_path):
                                         ("slow-t0-seed0", 400.0, 0.8)])
         later.gpu_ratio.append(ratio)
         assert later.take("gpu")["method"] == method  # 1.3 x 400 s at ratio 1 misses 300 s
+
+
+def test_a_gpu_records_wall_time_is_not_a_cpu_estimate(tmp_path):
+    """Session 38's device call: ScatterNet GEP's published runs were GPU runs (~50 s), so the
+    CPU estimate (their median) said a CPU worker could finish another before the deadline; at
+    ~800 s on a core it was killed there, twice, and its group's search stayed one trial
+    short. A record made on a GPU never sets the CPU estimate."""
+    pool_module, pool = make_pool(tmp_path, deadline_s=1000.0,
+                                  published=[("fast-t0-seed0", 100.0, 0.8),
+                                             ("slow-t0-seed0", 700.0, 0.8)])
+    publish(pool.args.records, "slow-t1-seed0", 40.0, 0.7, devices=("cuda:0",))
+    publish(pool.args.records, "fast-t1-seed0", 30.0, 0.7, devices=("cuda:0",))
+    estimates = pool_module.cpu_estimates(pool.args.records, [GROUP])
+    assert estimates[(GROUP, "slow")] == 700.0 and estimates[(GROUP, "fast")] == 100.0
+
+
+def test_gpu_workers_take_search_trials_before_seed_runs(tmp_path):
+    """A search trial left unpublished holds back every winner's seed runs of its group: a GPU
+    worker takes one before any seed run, however slow the seed run is on a CPU."""
+    _, pool = make_pool(tmp_path, published=[("fast-t0-seed0", 100.0, 0.8),
+                                             ("slow-t0-seed0", 400.0, 0.8)])
+    seed_run = dict(pool.jobs[0], method="slow", trial=0, seed=1)
+    pool.jobs.append(seed_run)
+    assert pool.take("gpu")["seed"] == 0  # slow-t1's search trial, not slow's seed 1
+    assert pool.take("gpu")["seed"] == 0  # fast-t1: cheaper than the seed run, still first
+    assert pool.take("gpu") is seed_run
 
 
 def test_scatter_trials_wait_for_their_features(tmp_path):

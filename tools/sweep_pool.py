@@ -5,8 +5,9 @@ and a trial cut off at the end is lost anyway.
 Each trial goes through ``run_job`` of the dpbench checkout given by ``--repo`` (the commit the
 group's records come from), exactly as the sweep's Tune trainable calls it: same command, same
 bindings from the group's ``search.json``, same atomic publishing into ``--records``. Only the
-scheduling differs: worker threads take jobs from one list, GPU workers the slowest-on-CPU
-first, CPU workers the cheapest that still fits before the deadline (a trial killed at the
+scheduling differs: worker threads take jobs from one list, GPU workers the search's trials
+first (they hold back the seed runs) and then the slowest on a CPU (estimated from CPU records
+only), CPU workers the cheapest that still fits before the deadline (a trial killed at the
 deadline publishes nothing). When a group's search is complete its winners' seed runs are
 queued (``winners_of``, the board's rule).
 
@@ -52,13 +53,17 @@ def published_runs(records: Path, group: str) -> set:
 
 
 def cpu_estimates(records: Path, groups) -> dict:
-    """(group, method) -> median wall_time_s of its published records; (family, method) too."""
+    """(group, method) -> median wall_time_s of its published records made on a CPU;
+    (family, method) too. A GPU run's wall time says nothing of a CPU worker's."""
     times: dict = {}
     for group in groups:
         for path in (records / group).glob("*/run_record.json"):
             method = path.parent.name.split("-t")[0]
-            wall = json.loads(path.read_text()).get("wall_time_s")
-            if wall:
+            record = json.loads(path.read_text())
+            wall = record.get("wall_time_s")
+            on_gpu = any(str(d).startswith(("cuda", "gpu", "rocm"))
+                         for d in record.get("devices") or [])
+            if wall and not on_gpu:
                 times.setdefault((group, method), []).append(wall)
                 times.setdefault((group.split("__eps")[0], method), []).append(wall)
     return {k: statistics.median(v) for k, v in times.items()}
@@ -113,6 +118,9 @@ class Pool:
             return FIRST_GPU_S
         return max(60.0, max(self.gpu_ratio) * self.cpu_estimate(job))
 
+    def _is_seed_run(self, job) -> bool:
+        return job["seed"] != self.plans[job["group"]]["seeds"][0]
+
     def _available(self, job) -> bool:
         family = job["group"].split("__eps")[0]
         return "scatter" not in family or family in self.ready_families
@@ -124,7 +132,9 @@ class Pool:
             options = [j for j in self.jobs if self._available(j)]
             if kind == "gpu":
                 options = [j for j in options if MARGIN * self.gpu_estimate(j) < left]
-                options.sort(key=lambda j: -self.cpu_estimate(j))
+                # a search trial first (an unpublished one holds back its group's seed runs),
+                # then the slowest on a CPU
+                options.sort(key=lambda j: (self._is_seed_run(j), -self.cpu_estimate(j)))
             else:
                 options = [j for j in options if MARGIN * self.cpu_estimate(j) < left]
                 options.sort(key=self.cpu_estimate)

@@ -305,3 +305,6 @@ def test_the_memoised_epsilons_are_keyed_on_the_events_content_not_on_their_iden
     assert first == pytest.approx(theirs, rel=1e-12)
     longer = accounting.event_from_json(run_json(sigma, 201))
     assert tuning.search_epsilon(longer, [longer], **kw) > first
+    assert tuning.search_epsilon(run, [run, longer], **kw) > first  # a worse support point
+    assert tuning.search_epsilon(run, [run], **dict(kw, mean_random=4.0)) > first
+    assert tuning.search_epsilon(run, [run], **dict(kw, shape=0.5)) != first

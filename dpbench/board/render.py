@@ -25,8 +25,10 @@ COLUMNS = ("method", "configuration (chosen on validation)", "test acc (mean ± 
 SELECTION_RULE = (
     "- **Selection.** Per method, the configuration with the best mean validation accuracy "
     "over the seeds all its configurations ran (a search's first seed) is shown; test accuracy "
-    "is the mean ± std over all of that configuration's seeds (percent) and never picks "
-    "anything. 'configuration' names what sets the chosen one apart from the method's others.\n"
+    "is the mean ± std over that configuration's seeds (percent) and never picks anything; in "
+    "a paired group (board v3's) over the seeds it was not selected on, as the retrains' seeds "
+    "1-4 (seed 0's accuracy is biased upward by the selection). 'configuration' names what sets "
+    "the chosen one apart from the method's others.\n"
     "- **Gain.** Its ± is the standard error of the difference of the two means (Welch), shown "
     "once both rows have 2 or more seeds.\n"
     "- **Tuning** ('trials K', 'ε incl. tuning': groups run by `dpbench sweep`, each with the "

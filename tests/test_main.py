@@ -165,3 +165,19 @@ def test_each_commands_help_gives_its_flags_with_their_defaults(command, flag, d
     assert flag in text
     if default:
         assert default in text
+
+
+def test_a_pipeline_run_from_a_users_own_folder_logs_no_error(tmp_path, monkeypatch, caplog):
+    """Run from a researcher's folder, a pipeline's includes (gin/base.gin, ...) resolve under
+    the repository after gin's reader misses them under the cwd; that miss was logged as
+    'ERROR:root:Path not found' on every run, a false alarm. An include missing everywhere is
+    still the clear error."""
+    import logging
+    monkeypatch.chdir(tmp_path)
+    caplog.set_level(logging.INFO)
+    config.parse_config(["pipelines/dpsgd", "gin/data/digits.gin"], [])
+    assert config.pipeline_stages()[0] == "dpsgd"
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
+    (tmp_path / "broken.gin").write_text("include 'gin/nowhere.gin'\n")
+    with pytest.raises(config.ConfigError, match="nowhere.gin"):
+        config.parse_config(["broken.gin"], [])

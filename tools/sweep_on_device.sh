@@ -14,7 +14,7 @@
 #          holds, e.g. 9071232 for the tanh CNN at epsilon 1) runs from a worktree of that
 #          commit, in a pool of its own beside the first (the workers split between the pools:
 #          one process imports one checkout's dpbench). $OUT/COMMIT/ gets each pool's
-#          records.tar.gz, pool.json and logs.
+#          records.tar.gz; every pool's pool.json and logs go into $OUT/logs.tar.gz.
 #
 # Back here, for each pool: tar xzf <files_at>/COMMIT/records.tar.gz -C
 # leaderboard/sweep-v3/records --skip-old-files (check each record's git_commit), before any
@@ -94,6 +94,11 @@ run)
   status=0
   for pid in "${pids[@]}"; do wait "$pid" || status=1; done
   tail -n 40 "$OUT"/*/driver.log
+  # The device tool brings back at most 8 files from $OUT (two pools left 9, and the second
+  # pool's records were the one left out): the records tarballs come back as they are, every
+  # log goes into one logs.tar.gz.
+  (cd "$OUT" && find . -mindepth 1 -type f ! -name records.tar.gz ! -name .logs -printf '%P\n' > .logs \
+     && tar czf logs.tar.gz --remove-files -T .logs && rm .logs) || status=1
   exit "$status"
   ;;
 *)

@@ -435,3 +435,34 @@ def test_the_junk_rate_counts_diverged_and_far_below_random_trials_only(tmp_path
         else:
             (run / "run_record.json").write_text(json.dumps({"test_accuracy": accuracy}))
     assert paired.junk_rate(group) == (3, 5)  # dpsgd t2 and t3, rs t3; not rs t0 (trial 0)
+
+
+def test_the_junk_breakdown_names_each_methods_junk_and_measures_it_against_its_own_best(
+        tmp_path):
+    """Where junk lives: per method, its random trials > 5 points below the group's best (or
+    diverged); and the count against each trial's own method's best seed-0 trial, which tells a
+    weak method (all of whose trials sit far below the group) from a badly drawn space."""
+    from dpbench import tuning
+    from dpbench.board import paired
+    group = tmp_path / GROUP
+    group.mkdir()
+    (group / tuning.SEARCH_FILE).write_text(json.dumps(
+        {"seeds": [0, 1], "num_trials": 3, "methods": {"dpsgd": {}, "bgep": {}, "rs": {}}}))
+    rng = np.random.default_rng()
+    top = rng.uniform(0.80, 0.90)
+    outcomes = {("dpsgd", 0): top, ("dpsgd", 1): top - 0.01, ("dpsgd", 2): top - 0.06,
+                ("bgep", 0): top - 0.07, ("bgep", 1): top - 0.08, ("bgep", 2): top - 0.065,
+                ("rs", 0): top - 0.02, ("rs", 1): None}  # rs t2 not published yet
+    for (method, trial), accuracy in outcomes.items():
+        run = group / f"{method}-t{trial}-seed0"
+        run.mkdir()
+        if accuracy is None:
+            (run / tuning.DIVERGED).write_text("{}")
+        else:
+            (run / "run_record.json").write_text(json.dumps({"test_accuracy": accuracy}))
+    breakdown = paired.junk_breakdown(group)
+    assert (breakdown["junk"], breakdown["random"]) == paired.junk_rate(group) == (4, 5)
+    assert breakdown["by_method"] == {"dpsgd": 1, "bgep": 2, "rs": 1}
+    # against its own method's best: dpsgd t2 (6 below its t0) and rs t1 (diverged) only;
+    # bgep's trials sit within 5 points of bgep's best
+    assert breakdown["own_best"] == 2

@@ -96,9 +96,8 @@ def _paired_verdicts(table, finished, history, claims, out_dir, earlier_records,
         except (tuning.SearchRecordError, ValueError) as e:
             raise LeaderboardError(f"{group}: {e}") from e
         out.append(dict(group=group, forest=plot_forest(analysis, out_dir),
-                        baseline=baseline_text(analysis["baseline"]) + " Junk: {} of {} "
-                        "random trials end more than 5 points below the group's best (or "
-                        "diverged).".format(*analysis["junk"])
+                        baseline=baseline_text(analysis["baseline"]) + " "
+                        + junk_text(analysis["junk_breakdown"])
                         + _superseded_text(analysis, earlier_search, out_dir)
                         + _deployment_text(analysis),
                         table=v3_table(analysis, earlier), analysis=analysis))
@@ -110,6 +109,17 @@ def _deployment_text(analysis: dict) -> str:
     notes = {m: r["deployment_note"] for m, r in sorted(analysis["methods"].items())
              if r.get("deployment_note")}
     return "".join(f" {m} has no 'ε, K secret': {note}." for m, note in notes.items())
+
+
+def junk_text(breakdown: dict) -> str:
+    """The group's junk sentence: the count, the methods it falls on, and the count against
+    each trial's own method's best (paired.junk_breakdown)."""
+    where = ", ".join(f"{m} {n}" for m, n in sorted(breakdown["by_method"].items(),
+                                                     key=lambda kv: (-kv[1], kv[0])) if n)
+    return ("Junk: {} of {} random trials end more than 5 points below the group's best (or "
+            "diverged){}; {} of {} end more than 5 points below their own method's best."
+            .format(breakdown["junk"], breakdown["random"], f": {where}" if where else "",
+                    breakdown["own_best"], breakdown["random"]))
 
 
 def _superseded_text(analysis: dict, earlier_search, out_dir: Path) -> str:

@@ -92,10 +92,13 @@ def published_epsilon(events_json, delta: float) -> float:
 JUNK_POINTS = 0.05  # a random trial this far (test accuracy) below its group's best is junk
 
 
-def junk_rate(group_dir) -> tuple[int, int]:
-    """(junk, published) over the random trials (j >= 1, seed 0) of every method of a group
-    published so far: junk ends more than 5 points below the best seed-0 trial of the group, or
-    diverged. Works on a search still under way (what is unpublished is not counted)."""
+def junk_breakdown(group_dir) -> dict:
+    """Junk over the random trials (j >= 1, seed 0) of every method of a group published so
+    far: {"junk", "random", "by_method": {method: junk}, "own_best"}. Junk ends more than 5
+    points below the best seed-0 trial of the group, or diverged; "own_best" counts the random
+    trials more than 5 points below their own method's best seed-0 trial (or diverged), which
+    tells a method that is weak everywhere from a space that draws badly. Works on a search
+    still under way (what is unpublished is not counted)."""
     group_dir = Path(group_dir)
     plan = json.loads((group_dir / tuning.SEARCH_FILE).read_text())
     seed0, scores = plan["seeds"][0], {}
@@ -106,12 +109,29 @@ def junk_rate(group_dir) -> tuple[int, int]:
             except tuning.SearchIncomplete:
                 continue
             scores[(method, trial)] = None if record is None else record["test_accuracy"]
+    out = dict(junk=0, random=0, by_method={m: 0 for m in plan["methods"]}, own_best=0)
     finished = [v for v in scores.values() if v is not None]
     if not finished:
-        return 0, 0
+        return out
     best = max(finished)
-    random = [v for (_, trial), v in scores.items() if trial >= 1]
-    return sum(1 for v in random if v is None or v < best - JUNK_POINTS), len(random)
+    own = {m: max((v for (mm, _), v in scores.items() if mm == m and v is not None),
+                  default=None) for m in plan["methods"]}
+    for (method, trial), v in scores.items():
+        if trial == 0:
+            continue
+        out["random"] += 1
+        if v is None or v < best - JUNK_POINTS:
+            out["junk"] += 1
+            out["by_method"][method] += 1
+        if v is None or v < own[method] - JUNK_POINTS:
+            out["own_best"] += 1
+    return out
+
+
+def junk_rate(group_dir) -> tuple[int, int]:
+    """(junk, published) of ``junk_breakdown``."""
+    breakdown = junk_breakdown(group_dir)
+    return breakdown["junk"], breakdown["random"]
 
 
 def analyse_group(group_dir, claims: dict, baseline_best=None, draws: int = DRAWS,
@@ -155,5 +175,6 @@ def analyse_group(group_dir, claims: dict, baseline_best=None, draws: int = DRAW
                            base["test"], mine["test"], range(1, plan["num_trials"])))
         out[method] = row
     check = baseline_check(base["retrains"], baseline_best)
+    junk = junk_breakdown(group_dir)
     return dict(methods=out, baseline=check, paired=True, epsilon=epsilon,
-                group=group_dir.name, junk=junk_rate(group_dir))
+                group=group_dir.name, junk=(junk["junk"], junk["random"]), junk_breakdown=junk)

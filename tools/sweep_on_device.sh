@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
-# Board v3's sweep trials on a lent accelerator machine (one GPU, 16 cores, no network), as
-# session 37 ran 92 of them (leaderboard/sweep-v3/NOTE.md). Two halves:
+# A board sweep's trials on a lent accelerator machine (one GPU, 16 cores, no network), as
+# board v3's sweep ran 207 of them (leaderboard/archive/v3-sweep.md). Two halves:
 #
 #   here:  bash tools/sweep_on_device.sh prepare COMMIT
 #          fills .device/ (git-ignored): a clean clone of COMMIT (the commit the groups' records
 #          come from), the pinned wheels the machine lacks, Debian's Fashion-MNIST files.
 #          One commit per call: two clones, the data and the board's records exceed the 64 MiB
 #          that travels.
-#   there: bash tools/sweep_on_device.sh run [COMMIT:]GROUP [...]   (carry .device; $OUT set)
+#   there: RECORDS=DIR bash tools/sweep_on_device.sh run [COMMIT:]GROUP [...]
+#          (carry .device; $OUT set; DIR: the sweep's records folder, relative to the repo,
+#          holding each GROUP's search.json)
 #          installs the wheels, then tools/sweep_pool.py runs the groups' unpublished trials
 #          until POOL_BUDGET seconds (default 545) after the start; GPU_WORKERS (8) and
 #          CPU_WORKERS (7) workers. A group named with another COMMIT (one the clone's history
@@ -16,8 +18,7 @@
 #          one process imports one checkout's dpbench). $OUT/COMMIT/ gets each pool's
 #          records.tar.gz; every pool's pool.json and logs go into $OUT/logs.tar.gz.
 #
-# Back here, for each pool: tar xzf <files_at>/COMMIT/records.tar.gz -C
-# leaderboard/sweep-v3/records --skip-old-files (check each record's git_commit), before any
+# Back here, for each pool: tar xzf <files_at>/COMMIT/records.tar.gz -C DIR --skip-old-files (check each record's git_commit), before any
 # further call: the next call sends this tree's records, and a trial not among them would run
 # again.
 set -euo pipefail
@@ -43,6 +44,13 @@ prepare)
 run)
   shift
   [ "$#" -gt 0 ] || { echo "usage: $0 run [COMMIT:]GROUP [...]" >&2; exit 2; }
+  [ -n "${RECORDS:-}" ] || { echo "set RECORDS to the sweep's records folder (relative to the" \
+    "repo, e.g. leaderboard/sweep-v4/records)" >&2; exit 2; }
+  for arg in "$@"; do
+    [ -f "$RECORDS/${arg#*:}/search.json" ] \
+      || { echo "$RECORDS/${arg#*:}/search.json is missing: is RECORDS the sweep's records" \
+           "folder and ${arg#*:} one of its groups?" >&2; exit 2; }
+  done
   start=$(date +%s)
   exec > >(tee "$OUT/setup.log") 2>&1
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
@@ -86,7 +94,7 @@ run)
     echo "pool of $commit ($repo):${groups_of[$commit]}; $gpu GPU + $cpu CPU workers"
     # shellcheck disable=SC2086  # the groups are words
     PYTHONUNBUFFERED=1 python3 tools/sweep_pool.py --repo="$repo" \
-      --records=leaderboard/sweep-v3/records --groups ${groups_of[$commit]} \
+      --records="$RECORDS" --groups ${groups_of[$commit]} \
       --runs_dir="/tmp/runs-$commit" --deadline_s="$left" --gpu_workers="$gpu" \
       --cpu_workers="$cpu" --out="$OUT/$commit" > "$OUT/$commit/driver.log" 2>&1 &
     pids+=("$!")
@@ -97,12 +105,13 @@ run)
   # The device tool brings back at most 8 files from $OUT (two pools left 9, and the second
   # pool's records were the one left out): the records tarballs come back as they are, every
   # log goes into one logs.tar.gz.
-  (cd "$OUT" && find . -mindepth 1 -type f ! -name records.tar.gz ! -name .logs -printf '%P\n' > .logs \
+  (cd "$OUT" && find . -mindepth 1 -type f ! -name records.tar.gz ! -name logs.tar.gz \
+     ! -name .logs -printf '%P\n' > .logs \
      && tar czf logs.tar.gz --remove-files -T .logs && rm .logs) || status=1
   exit "$status"
   ;;
 *)
-  echo "usage: $0 prepare COMMIT | run [COMMIT:]GROUP [...]" >&2
+  echo "usage: $0 prepare COMMIT | RECORDS=DIR $0 run [COMMIT:]GROUP [...]" >&2
   exit 2
   ;;
 esac

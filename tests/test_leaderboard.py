@@ -3,6 +3,7 @@
 import json
 import math
 import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -266,7 +267,7 @@ def test_the_committed_board_is_what_its_committed_records_give(tmp_path, board_
     from tests.conftest import REPO_ROOT
     copy = tmp_path / "leaderboard"
     shutil.copytree(REPO_ROOT / "leaderboard", copy, ignore=shutil.ignore_patterns(
-        "plots", "*.png", "sweep-v3"))
+        "plots", "*.png"))
     rebuilt = copy.parent / board_dir
     for name in ("README.md", "index.html"):
         (rebuilt / name).unlink()
@@ -466,3 +467,71 @@ def test_the_junk_breakdown_names_each_methods_junk_and_measures_it_against_its_
     # against its own method's best: dpsgd t2 (6 below its t0) and rs t1 (diverged) only;
     # bgep's trials sit within 5 points of bgep's best
     assert breakdown["own_best"] == 2
+
+
+@pytest.mark.parametrize("status", ["ok", "weaker"])
+def test_a_forest_plots_title_stays_inside_its_figure(tmp_path, monkeypatch, status):
+    """The forest plot's title (the group, and the weaker-baseline warning where it applies)
+    is drawn whole: board v3's first build cut the warning off at both sides."""
+    from dpbench.board import plots
+    rng = np.random.default_rng()
+    methods = {}
+    for method in ("bgep", "dpssgd", "gep", "gip", "nasr", "randomk", "rs"):
+        gain = rng.uniform(-0.05, 0.02)
+        methods[method] = dict(interval=dict(gain=gain, low=gain - 0.01, high=gain + 0.01),
+                               verdict="tie", claim_range=(0.1, 3.0))
+    analysis = dict(group="fashion_mnist__scatter_linear__eps1.0__delta1e-05", methods=methods,
+                    baseline=dict(status=status))
+    drawn = {}
+    finish = plots._finish_plot
+
+    def keep_extents(fig, ax, labels, path):
+        finish(fig, ax, labels, path)  # as written (savefig lays it out)
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        renderer = FigureCanvasAgg(fig).get_renderer()
+        drawn["title"] = ax.title.get_window_extent(renderer)
+        drawn["figure"] = fig.bbox
+        drawn["text"] = ax.title.get_text()
+
+    monkeypatch.setattr(plots, "_finish_plot", keep_extents)
+    plots.plot_forest(analysis, tmp_path)
+    title, figure = drawn["title"], drawn["figure"]
+    assert ("below its best recorded" in drawn["text"]) == (status == "weaker")
+    assert figure.x0 <= title.x0 and title.x1 <= figure.x1, (title, figure)
+    assert title.y1 <= figure.y1, (title, figure)
+
+
+def test_a_searched_groups_table_shows_the_searchs_winner_on_a_validation_tie(
+        tmp_path, monkeypatch):
+    """Two trials tie on seed 0's validation accuracy: the search (ties to the smaller trial)
+    retrains one of them, and the configuration table must show that one with its retrain
+    seeds, not the other with seed 0 alone (board v3's first build showed ScatterNet eps 1's
+    DP-SSGD t3 with 1 seed beside a verdict on t0's seeds 1-4)."""
+    from dpbench.board import results
+    rng = np.random.default_rng()
+    tie = round(float(rng.uniform(0.80, 0.90)), 4)
+    root = tmp_path / "records"
+    lrs = {0: 1.0, 1: 2.0, 2: 3.0}
+    vals = {0: tie - 0.01, 1: tie, 2: tie}
+    for trial, lr in lrs.items():
+        write(root, GROUP, f"dpsgd-t{trial}-seed0", fake_record("dpsgd", 0, vals[trial], 0.8,
+                                                                 lr=lr))
+    for seed in (1, 2):
+        write(root, GROUP, f"dpsgd-t1-seed{seed}", fake_record("dpsgd", seed, tie, 0.8, lr=2.0))
+    records = results.load_records(root)
+    configs = {}
+    for r in records:
+        configs.setdefault(results.config_key(r), []).append(r)
+    assert len(configs) == 3
+    # the rule must not lean on the keys' order: make the tied loser the smaller key (a
+    # tie-break on keys then picks the loser)
+    monkeypatch.setattr(results, "config_key", lambda r, real=results.config_key: (
+        "!" + real(r) if "-t2-" in str(r["_path"]) else real(r)))
+    monkeypatch.setattr(results, "_search_of", lambda methods: {"dpsgd": {"winner": 1}})
+    (row,) = results.summarize(results.load_records(root), {}, tmp_path)[GROUP]
+    assert row["seeds"] == 3 and "dpsgd-t1-" in str(row["statement"])
+    assert row["validation_mean"] == pytest.approx(tie)
+    # a search whose winner is not even tied for best on the records: refused, not shown
+    monkeypatch.setattr(results, "_search_of", lambda methods: {"dpsgd": {"winner": 0}})
+    with pytest.raises(board.LeaderboardError, match="dpsgd-t0"):
+        results.summarize(results.load_records(root), {}, tmp_path)

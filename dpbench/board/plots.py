@@ -122,7 +122,8 @@ def plot_forest(analysis: dict, out_dir: Path) -> str:
     ax.set_ylim(-0.7, len(rows) - 0.3)
     title = analysis["group"]
     if analysis["baseline"]["status"] == "weaker":
-        title += " (DP-SGD row below its best recorded configuration)"
+        # its own line: on the group's line it ran past both sides of a 7-inch figure
+        title += "\n(DP-SGD row below its best recorded configuration)"
     labels = ("gain over DP-SGD, test accuracy points (95% interval incl. search)", "", title)
     ax.set_xlabel(labels[0])
     ax.set_title(title.replace("__", ", "))

@@ -130,14 +130,11 @@ def config_key(record: dict) -> str:
     return hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()[:12]
 
 
-def choose_configuration(configs: dict) -> tuple:
-    """The configuration chosen on validation: ``configs`` maps a config key to its records.
-
-    The score is the mean validation accuracy over the selection seeds: the seeds that every
-    configuration has run (typically the sweep's seed 0, before the winner gets more seeds).
-    When no seed is shared, each configuration's mean over all its seeds is used. Ties go to
-    the smaller key, so the choice is deterministic. Test accuracy is never read.
-    Returns (key, selection seeds (sorted list, or None when none is shared), score)."""
+def selection_scores(configs: dict) -> tuple:
+    """(selection seeds, {config key: score}): the score is the mean validation accuracy over
+    the seeds that every configuration has run (typically the sweep's seed 0, before the
+    winner gets more seeds); when no seed is shared, each configuration's mean over all its
+    seeds. The selection seeds are a sorted list, or None when none is shared."""
     seed_sets = [{str(r["seed"]) for r in runs} for runs in configs.values()]
     shared = set.intersection(*seed_sets) if seed_sets else set()
 
@@ -145,8 +142,19 @@ def choose_configuration(configs: dict) -> tuple:
         chosen = [r for r in runs if str(r["seed"]) in shared] if shared else runs
         return float(np.mean([r["validation_accuracy"] for r in chosen]))
 
-    best = min(configs, key=lambda key: (-score(configs[key]), key))
-    return best, (sorted(shared) if shared else None), score(configs[best])
+    return (sorted(shared) if shared else None), {k: score(v) for k, v in configs.items()}
+
+
+def choose_configuration(configs: dict) -> tuple:
+    """The configuration chosen on validation: ``configs`` maps a config key to its records.
+
+    The score is selection_scores'. Ties go to the smaller key, so the choice is
+    deterministic (a searched group's table then follows its search: _searched_winner).
+    Test accuracy is never read.
+    Returns (key, selection seeds (sorted list, or None when none is shared), score)."""
+    shared, scores = selection_scores(configs)
+    best = min(configs, key=lambda key: (-scores[key], key))
+    return best, shared, scores[best]
 
 
 def _flat_settings(record: dict) -> dict:
@@ -253,6 +261,7 @@ def summarize(records: list[dict], audits: dict, out_dir: Path,
         rows = []
         for method, configs in sorted(methods.items()):
             key, selection_seeds, val_mean = choose_configuration(configs)
+            key = _searched_winner(configs, search.get(method), method, key)
             runs = sorted(configs[key], key=lambda r: (str(r["seed"]), str(r["_path"])))
             if group in selection_seed_out and selection_seeds:
                 runs = [r for r in runs if str(r["seed"]) not in selection_seeds] or runs
@@ -291,6 +300,29 @@ def summarize(records: list[dict], audits: dict, out_dir: Path,
         rows.sort(key=lambda r: (-r["test_mean"], r["method"]))
         table[group] = rows
     return table
+
+
+def _searched_winner(configs: dict, summary: Optional[dict], method: str, chosen: str) -> str:
+    """The configuration a search's winner ran (the one its retrains and verdicts use), where
+    the group has a search; ``chosen`` otherwise. The two can differ only by a tie on the
+    selection seeds (the search ties to the smaller trial, choose_configuration to the
+    smaller key); anything else is a contradiction between the records and the search."""
+    if not summary or "winner" not in summary:
+        return chosen
+    prefix = f"{method}-t{summary['winner']}-seed"
+    keys = {k for k, runs in configs.items()
+            for r in runs if Path(r["_path"]).parent.name.startswith(prefix)}
+    if len(keys) != 1:
+        raise LeaderboardError(f"{method}: the search's winner, trial {summary['winner']}, has "
+                               f"{len(keys)} configurations among the records ({prefix}*)")
+    (key,) = keys
+    scores = selection_scores(configs)[1]
+    if scores[key] != scores[chosen]:
+        raise LeaderboardError(
+            f"{method}: the search's winner ({prefix}*) scores {scores[key]:.4f} on validation, "
+            f"below another configuration's {scores[chosen]:.4f}: the records and the group's "
+            "search.json disagree")
+    return key
 
 
 def _search_of(methods: dict) -> dict:

@@ -35,6 +35,8 @@ PROTOCOL = {
                     "rs": {"gin_file": "pipelines/rs/pipeline.gin", "trial0": RECIPE,
                            "space": {"sparsify.random_mask.final_rate": {
                                "uniform": [0.3, 0.9]}}}}}}}
+# board v2's hand-written 'what changed' (board v3 reads its claims from the method folders)
+V2_CLAIMS = config.REPO_ROOT / "leaderboard" / "archive" / "v2" / "claims.json"
 RUNS = [f"{m}-t{t}-seed{s}" for m in ("dpsgd", "rs") for t, s in ((0, 0), (1, 0))]
 
 
@@ -238,7 +240,7 @@ def test_the_board_shows_the_search_and_regenerates_identical_bytes(finished_swe
         assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes()
     # the verdicts: the paper's claim next to v1's gain (none here) and v2's
     board.build(tmp / "records", tmp_path / "c",
-                claims_json=config.REPO_ROOT / "leaderboard" / "claims.json")
+                claims_json=V2_CLAIMS)
     text = (tmp_path / "c" / "README.md").read_text()
     assert f"## Verdicts: {GROUP}" in text
     rs_row = next(line for line in text.splitlines() if line.startswith("| rs | Zhu"))
@@ -538,8 +540,7 @@ def test_a_paired_group_gets_v3_verdicts_intervals_both_epsilons_and_a_forest_pl
     unpaired["methods"]["rs"]["trials"][1] = [
         f"{lr} = 9.99" if b.startswith(lr) else b for b in plan["methods"]["rs"]["trials"][1]]
     assert not paired.is_paired(unpaired)
-    table = board.build(records, tmp_path / "a", claims_json=config.REPO_ROOT / "leaderboard" /
-                        "claims.json")
+    table = board.build(records, tmp_path / "a", claims_json=V2_CLAIMS)
     assert [r["seeds"] for r in table[GROUP]] == [3, 3]  # the selected seed 0 left out
     text = (tmp_path / "a" / "README.md").read_text()
     assert text.index("## Headline") < text.index("| method |")  # before any table
@@ -570,8 +571,7 @@ def test_a_paired_group_gets_v3_verdicts_intervals_both_epsilons_and_a_forest_pl
     assert row["ε, all published"] == f"{rs['published_epsilon']:.3f}"
     assert row["ε, K secret (deployment)"] == f"{rs['deployment_epsilon']:.3f}"
     assert "Baseline check" in text and "**weaker**" not in text
-    board.build(records, tmp_path / "b", claims_json=config.REPO_ROOT / "leaderboard" /
-                "claims.json")
+    board.build(records, tmp_path / "b", claims_json=V2_CLAIMS)
     assert (tmp_path / "b" / "README.md").read_text() == text
 
 
@@ -584,8 +584,7 @@ def test_a_deployment_without_an_rdp_bound_is_shown_with_its_reason(finished_swe
     plan = json.loads((group / sweep.SEARCH_FILE).read_text())
     plan["trials_law"]["deployment"]["mean_random"] = 1e4
     (group / sweep.SEARCH_FILE).write_text(json.dumps(plan))
-    board.build(records, tmp_path / "a", claims_json=config.REPO_ROOT / "leaderboard" /
-                "claims.json")
+    board.build(records, tmp_path / "a", claims_json=V2_CLAIMS)
     text = (tmp_path / "a" / "README.md").read_text()
     row = _v3_row(text, "rs")
     assert row["ε, K secret (deployment)"].startswith("none: truncated-batch overflow")

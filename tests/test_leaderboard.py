@@ -412,7 +412,10 @@ def test_the_baseline_check_fires_on_a_weaker_dpsgd_row_and_only_then():
     weaker = baseline_check(0.8202 + rng.uniform(-1e-3, 1e-3)
                             + np.array([-4e-3, 4e-3, -2e-3, 2e-3]), best)
     assert weaker["status"] == "weaker" and weaker["best"] == pytest.approx(0.8315, abs=2e-3)
-    assert baseline_check(0.8315 + rng.normal(0, 3e-4, 4), best)["status"] == "ok"
+    # as good as the best: a mean at or above it (a free draw around the same mean is called
+    # weaker ~2.5% of the time, as a 95% interval should; CI once drew one)
+    level = np.mean(best["scores"]) + rng.uniform(0, 1e-3)
+    assert baseline_check(level + np.array([-3e-4, 3e-4, -1e-4, 1e-4]), best)["status"] == "ok"
     assert baseline_check([0.826, 0.836, 0.831, 0.829], best)["status"] == "ok"
     assert baseline_check([0.82, 0.83], None)["status"] == "ok"
 

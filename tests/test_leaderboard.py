@@ -420,6 +420,18 @@ def test_the_baseline_check_fires_on_a_weaker_dpsgd_row_and_only_then():
     assert baseline_check([0.82, 0.83], None)["status"] == "ok"
 
 
+def _write_seed0_outcomes(group, outcomes: dict) -> None:
+    """(method, trial) -> seed-0 test accuracy, or None for a diverged run."""
+    from dpbench import tuning
+    for (method, trial), accuracy in outcomes.items():
+        run = group / tuning.run_dir_name(method, trial, 0)
+        run.mkdir()
+        if accuracy is None:
+            (run / tuning.DIVERGED).write_text("{}")
+        else:
+            (run / "run_record.json").write_text(json.dumps({"test_accuracy": accuracy}))
+
+
 def test_the_junk_rate_counts_diverged_and_far_below_random_trials_only(tmp_path):
     """Junk: a random trial (j >= 1, seed 0) more than 5 points below the group's best seed-0
     trial, or diverged; trial 0 and unpublished trials are not counted."""
@@ -431,13 +443,7 @@ def test_the_junk_rate_counts_diverged_and_far_below_random_trials_only(tmp_path
         {"seeds": [0, 1], "num_trials": 4, "methods": {"dpsgd": {}, "rs": {}}}))
     outcomes = {("dpsgd", 0): 0.90, ("dpsgd", 1): 0.851, ("dpsgd", 2): 0.849,
                 ("dpsgd", 3): None, ("rs", 0): 0.70, ("rs", 1): 0.86, ("rs", 3): 0.70}
-    for (method, trial), accuracy in outcomes.items():  # rs trial 2: not published yet
-        run = group / f"{method}-t{trial}-seed0"
-        run.mkdir()
-        if accuracy is None:
-            (run / tuning.DIVERGED).write_text("{}")
-        else:
-            (run / "run_record.json").write_text(json.dumps({"test_accuracy": accuracy}))
+    _write_seed0_outcomes(group, outcomes)  # rs trial 2: not published yet
     assert paired.junk_rate(group) == (3, 5)  # dpsgd t2 and t3, rs t3; not rs t0 (trial 0)
 
 
@@ -457,13 +463,7 @@ def test_the_junk_breakdown_names_each_methods_junk_and_measures_it_against_its_
     outcomes = {("dpsgd", 0): top, ("dpsgd", 1): top - 0.01, ("dpsgd", 2): top - 0.06,
                 ("bgep", 0): top - 0.07, ("bgep", 1): top - 0.08, ("bgep", 2): top - 0.065,
                 ("rs", 0): top - 0.02, ("rs", 1): None}  # rs t2 not published yet
-    for (method, trial), accuracy in outcomes.items():
-        run = group / f"{method}-t{trial}-seed0"
-        run.mkdir()
-        if accuracy is None:
-            (run / tuning.DIVERGED).write_text("{}")
-        else:
-            (run / "run_record.json").write_text(json.dumps({"test_accuracy": accuracy}))
+    _write_seed0_outcomes(group, outcomes)
     breakdown = paired.junk_breakdown(group)
     assert (breakdown["junk"], breakdown["random"]) == paired.junk_rate(group) == (4, 5)
     assert breakdown["by_method"] == {"dpsgd": 1, "bgep": 2, "rs": 1}

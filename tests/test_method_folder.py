@@ -141,43 +141,9 @@ def test_a_fixed_trial_count_composes_its_runs(q, sigma, steps):
         protocol._check_trial_law("p.json", {"fixed": 0})
 
 
-def test_a_researchers_method_goes_from_its_folder_to_the_board(tmp_path):
-    """Acceptance: one stage module + one method folder, run from the researcher's own folder
-    with the documented protocol (digits, K fixed at 2, dpsgd and the new method) through
-    `dpbench sweep` and `dpbench board`; no file of the repository changes."""
-    folder = make_method(tmp_path)
-    before = repo_status()
-    dpbench = [sys.executable, "-m", "dpbench.main"]
-    swept = subprocess.run(
-        [*dpbench, "sweep", "--protocol=protocol.json", "--records=board/records",
-         "--runs_dir=runs", "--cpus=2"], cwd=tmp_path, capture_output=True, text=True,
-        timeout=400)
-    assert swept.returncode == 0, swept.stdout[-3000:] + swept.stderr[-3000:]
-    group = tmp_path / "board" / "records" / GROUP
-    record = json.loads((group / "halfclip-t0-seed0" / "run_record.json").read_text())
-    assert record["pipeline"] == "halfclip" and record["stages"][1]["name"] == "halfclip.scale"
-    assert record["stage_sources"][0]["path"] == str(folder / "halfclip_stages.py")
-    summary = tuning.search_summary(group)
-    winner = summary["halfclip"]["winner"]
-    assert (group / f"halfclip-t{winner}-seed1" / "run_record.json").exists()  # its 2nd seed
-    # K = 2 fixed (public): the search's epsilon is the PLD composition of its two runs
-    pld = pld_privacy_accountant.PLDAccountant(value_discretization_interval=1e-3)
-    for trial in (0, 1):
-        run = json.loads((group / f"halfclip-t{trial}-seed0" / "run_record.json").read_text())
-        pld.compose(accounting.event_from_json(run["dp_event"]))
-    assert summary["halfclip"]["num_trials"] == 2
-    assert summary["halfclip"]["search_epsilon"] == pytest.approx(pld.get_epsilon(1e-5),
-                                                                  rel=1e-6)
-    shown = subprocess.run(
-        [*dpbench, "board", "--records=board/records", "--methods_dirs", "my_methods"],
-        cwd=tmp_path, capture_output=True,
-        text=True, timeout=300)
-    assert shown.returncode == 0, shown.stderr[-3000:]
-    text = (tmp_path / "board" / "README.md").read_text()
-    row = next(line for line in text.splitlines() if line.startswith("| halfclip | A. Res"))
-    assert "+9 over DP-SGD" in row and f"{summary['halfclip']['search_epsilon']:.3f}" in row
-    assert "2 (fixed K; ε composes the K runs)" in text
-    assert repo_status() == before
+# The researcher's whole path (this folder run through `dpbench sweep` and `dpbench board` from
+# the researcher's own folder) is tests/test_sweep.py's tiny sweep, which every sweep and board
+# test reads: test_a_researchers_method_goes_from_its_folder_to_the_board there.
 
 
 LYING_STAGES = textwrap.dedent('''

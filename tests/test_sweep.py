@@ -1,5 +1,7 @@
-"""``dpbench sweep`` end to end on a local Ray instance: a tiny search (digits, 2 methods, K = 2)
-interrupted and restored, its published records, and the search's epsilon recomputed from them."""
+"""``dpbench sweep`` end to end on a local Ray instance: one tiny search (digits, DP-SGD and a
+researcher's own method from their own folder, K = 2) interrupted and restored, its published
+records, the search's epsilon recomputed from them, and the board built from them. Every test
+that needs a finished sweep reads that one (the module fixture), so the suite runs it once."""
 
 import argparse
 import json
@@ -10,6 +12,7 @@ import signal
 import subprocess
 import sys
 import time
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -18,7 +21,7 @@ from dp_accounting import dp_event
 from dp_accounting.pld import pld_privacy_accountant
 from dp_accounting.rdp import rdp_privacy_accountant
 
-from dpbench import accounting, config, sweep, sweep_cost, sweep_secret, tuning
+from dpbench import accounting, config, methods, sweep, sweep_cost, sweep_secret, tuning
 
 GROUP = "digits__logistic__eps3.0__delta1e-05"
 RECIPE = ["train.epochs = 1", "train.batch_size = 256"]
@@ -37,7 +40,6 @@ PROTOCOL = {
                                "uniform": [0.3, 0.9]}}}}}}}
 # board v2's hand-written 'what changed' (board v3 reads its claims from the method folders)
 V2_CLAIMS = config.REPO_ROOT / "leaderboard" / "archive" / "v2" / "claims.json"
-RUNS = [f"{m}-t{t}-seed{s}" for m in ("dpsgd", "rs") for t, s in ((0, 0), (1, 0))]
 
 
 def sweep_command(tmp):
@@ -46,52 +48,133 @@ def sweep_command(tmp):
             f"--runs_dir={tmp / 'runs'}", f"--records={tmp / 'records'}", "--cpus=2"]
 
 
+# A hang guard, never a verdict: the tiny sweep takes ~1 minute on 2 idle cores and a few on
+# a loaded machine; past this it is stuck, and the failure says what it waited for.
+HANG_GUARD_S = 1800
+# The researcher's own command (tests/test_method_folder.py's method folder and the
+# documented protocol), run from their folder: the one tiny sweep every sweep and board test
+# reads. Its records are under board/records there.
+RESEARCHER_SWEEP = [sys.executable, "-m", "dpbench.main", "sweep", "--protocol=protocol.json",
+                    "--records=board/records", "--runs_dir=runs", "--cpus=2"]
+OTHER = "halfclip"  # the researcher's method, DP-SGD's opponent in the tiny sweep
+RUNS = [f"{m}-t{t}-seed{s}" for m in ("dpsgd", OTHER) for t, s in ((0, 0), (1, 0))]
+
+
+def _finish_or_fail(proc, what: str) -> str:
+    try:
+        return proc.communicate(timeout=HANG_GUARD_S)[0]
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        pytest.fail(f"hung: {what} did not exit within {HANG_GUARD_S} s")
+
+
 @pytest.fixture(scope="module")
 def finished_sweep(tmp_path_factory):
-    """Runs the sweep, stops it (SIGTERM, as Ctrl-C would) once its first record is published,
-    then reruns the same command to the end."""
-    tmp = tmp_path_factory.mktemp("sweep")
-    (tmp / "protocol.json").write_text(json.dumps(PROTOCOL))
-    group = tmp / "records" / GROUP
-    first = subprocess.Popen(sweep_command(tmp), cwd=config.REPO_ROOT,
-                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    deadline = time.time() + 240
+    """A researcher's sweep (digits, K = 2 fixed, DP-SGD and their own method halfclip from
+    their own folder): `dpbench sweep` stopped (SIGTERM, as Ctrl-C would) once its first
+    record is published, then the same command again to the end. Returns (the researcher's
+    folder, the records folder, the runs published before the stop, both outputs, git status
+    of the repository before)."""
+    from tests.test_method_folder import make_method, repo_status
+    tmp = tmp_path_factory.mktemp("researcher")
+    make_method(tmp)
+    before = repo_status()
+    records = tmp / "board" / "records"
+    group = records / GROUP
+    first = subprocess.Popen(RESEARCHER_SWEEP, cwd=tmp, stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True)
+    start = time.monotonic()
     while not list(group.glob("*/run_record.json")) and first.poll() is None:
-        assert time.time() < deadline, "the sweep published nothing in 240 s"
+        if time.monotonic() - start > HANG_GUARD_S:
+            first.kill()
+            pytest.fail(f"hung: the sweep published no record under {group} and did not exit "
+                        f"within {HANG_GUARD_S} s")
         time.sleep(0.2)
     published_before = sorted(p.parent.name for p in group.glob("*/run_record.json"))
     first.send_signal(signal.SIGTERM)
-    out_first = first.communicate(timeout=120)[0]
-    second = subprocess.run(sweep_command(tmp), cwd=config.REPO_ROOT, capture_output=True,
-                            text=True, timeout=400)
-    assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
-    return tmp, published_before, out_first, second.stdout + second.stderr
+    out_first = _finish_or_fail(first, "the sweep, stopped with SIGTERM,")
+    second = subprocess.Popen(RESEARCHER_SWEEP, cwd=tmp, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True)
+    out_second = _finish_or_fail(second, "the resumed sweep")
+    assert second.returncode == 0, out_second[-6000:]
+    return SimpleNamespace(folder=tmp, records=records, published_before=published_before,
+                           out_first=out_first, out_second=out_second, repo_before=before)
+
+
+# The law of a random K that draws the tiny sweep's K = 2 surely (J = 1), for the tests of a
+# random-K search: they read the sweep's records under this law instead of its fixed K = 2.
+RANDOM_LAW = {"shape": 1, "mean_random": 1, "seed": 7}
+
+
+def copied_records(finished_sweep, tmp_path, trials_law=None):
+    """A copy of the tiny sweep's records (tests change them), its plan's trials law replaced
+    by ``trials_law`` when given. Returns (records, group)."""
+    records = tmp_path / "records"
+    shutil.copytree(finished_sweep.records, records)
+    group = records / GROUP
+    if trials_law is not None:
+        plan = json.loads((group / sweep.SEARCH_FILE).read_text())
+        plan["trials_law"] = trials_law
+        (group / sweep.SEARCH_FILE).write_text(json.dumps(plan))
+    return records, group
 
 
 def test_an_interrupted_sweep_resumes_without_rerunning_a_finished_trial(finished_sweep):
-    tmp, published_before, out_first, out_second = finished_sweep
-    assert published_before, out_first[-2000:]
-    launches = (tmp / "runs" / sweep.LAUNCH_LOG).read_text().split()
-    for name in published_before:  # finished before the interruption: launched exactly once
+    assert finished_sweep.published_before, finished_sweep.out_first[-2000:]
+    launches = (finished_sweep.folder / "runs" / sweep.LAUNCH_LOG).read_text().split()
+    for name in finished_sweep.published_before:  # finished before the stop: launched once
         assert launches.count(f"{GROUP}/{name}") == 1, launches
-    assert "restoring" in out_second  # Tune's own restore, not a fresh experiment
-    plan = json.loads((tmp / "records" / GROUP / sweep.SEARCH_FILE).read_text())
+    assert "restoring" in finished_sweep.out_second  # Tune's own restore, not a fresh one
+    group = finished_sweep.records / GROUP
+    plan = json.loads((group / sweep.SEARCH_FILE).read_text())
     assert plan["num_trials"] == 2
-    group = tmp / "records" / GROUP
     for name in RUNS:
         assert (group / name / "run_record.json").exists(), name
     summary = tuning.search_summary(group)
-    for method in ("dpsgd", "rs"):  # the winner, and only it, got the second seed
+    for method in ("dpsgd", OTHER):  # the winner, and only it, got the second seed
         winner = summary[method]["winner"]
         assert (group / f"{method}-t{winner}-seed1" / "run_record.json").exists()
         assert not (group / f"{method}-t{1 - winner}-seed1").exists()
 
 
-def test_the_search_epsilon_is_recomputed_from_the_records_with_dp_accounting(finished_sweep):
-    tmp, *_ = finished_sweep
-    group = tmp / "records" / GROUP
+def test_a_researchers_method_goes_from_its_folder_to_the_board(finished_sweep):
+    """Acceptance of the researcher's path: one stage module + one method folder, run from the
+    researcher's own folder with the documented protocol (digits, K fixed at 2, dpsgd and the
+    new method) through `dpbench sweep` (the fixture) and `dpbench board`; no file of the
+    repository changes."""
+    from tests.test_method_folder import repo_status
+    folder, group = finished_sweep.folder, finished_sweep.records / GROUP
+    record = json.loads((group / "halfclip-t0-seed0" / "run_record.json").read_text())
+    assert record["pipeline"] == "halfclip" and record["stages"][1]["name"] == "halfclip.scale"
+    assert record["stage_sources"][0]["path"] == str(
+        folder / "my_methods" / "halfclip" / "halfclip_stages.py")
     summary = tuning.search_summary(group)
-    for method in ("dpsgd", "rs"):
+    # K = 2 fixed (public): the search's epsilon is the PLD composition of its two runs
+    pld = pld_privacy_accountant.PLDAccountant(value_discretization_interval=1e-3)
+    for trial in (0, 1):
+        run = json.loads((group / f"halfclip-t{trial}-seed0" / "run_record.json").read_text())
+        pld.compose(accounting.event_from_json(run["dp_event"]))
+    assert summary["halfclip"]["num_trials"] == 2
+    assert summary["halfclip"]["search_epsilon"] == pytest.approx(pld.get_epsilon(1e-5),
+                                                                  rel=1e-6)
+    shown = subprocess.Popen([sys.executable, "-m", "dpbench.main", "board",
+                              "--records=board/records", "--methods_dirs", "my_methods"],
+                             cwd=folder, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                             text=True)
+    out = _finish_or_fail(shown, "dpbench board")
+    assert shown.returncode == 0, out[-3000:]
+    text = (folder / "board" / "README.md").read_text()
+    row = next(line for line in text.splitlines() if line.startswith("| halfclip | A. Res"))
+    assert "+9 over DP-SGD" in row and f"{summary['halfclip']['search_epsilon']:.3f}" in row
+    assert "2 (fixed K; ε composes the K runs)" in text
+    assert repo_status() == finished_sweep.repo_before
+
+
+def test_the_search_epsilon_is_recomputed_from_the_records_with_dp_accounting(finished_sweep,
+                                                                              tmp_path):
+    _, group = copied_records(finished_sweep, tmp_path, RANDOM_LAW)
+    summary = tuning.search_summary(group)
+    for method in ("dpsgd", OTHER):
         trial0 = json.loads((group / f"{method}-t0-seed0" / "run_record.json").read_text())
         trial1 = json.loads((group / f"{method}-t1-seed0" / "run_record.json").read_text())
         # one support point (B 256, 1 epoch) = trial 0's settings: dp_accounting's public
@@ -110,15 +193,13 @@ def test_a_fixed_k_board_states_its_deployments_secret_k_epsilon(finished_sweep,
     """A fixed K (board v3: K is public) with a declared deployment law: search_summary gives
     the K runs' composition AND the Papernot-Steinke epsilon of a deployment drawing J from that
     law in secret, dp_accounting's RepeatAndSelectDpEvent after trial 0."""
-    tmp, *_ = finished_sweep
-    group = tmp_path / GROUP
-    shutil.copytree(tmp / "records" / GROUP, group)
+    _, group = copied_records(finished_sweep, tmp_path)
     plan = json.loads((group / sweep.SEARCH_FILE).read_text())
     plan["trials_law"] = {"fixed": 2, "seed": 7,
                           "deployment": {"shape": "inf", "mean_random": 3}}
     (group / sweep.SEARCH_FILE).write_text(json.dumps(plan))
     summary = tuning.search_summary(group)
-    for method in ("dpsgd", "rs"):
+    for method in ("dpsgd", OTHER):
         trial0 = json.loads((group / f"{method}-t0-seed0" / "run_record.json").read_text())
         trial1 = json.loads((group / f"{method}-t1-seed0" / "run_record.json").read_text())
         view, _ = accounting._rdp_view(accounting.event_from_json(trial0["dp_event"]))
@@ -149,10 +230,8 @@ def test_a_fixed_k_board_states_its_deployments_secret_k_epsilon(finished_sweep,
 
 
 def test_a_malformed_or_mismatched_record_is_rejected_with_its_path(finished_sweep, tmp_path):
-    tmp, *_ = finished_sweep
-    group = tmp_path / GROUP
-    shutil.copytree(tmp / "records" / GROUP, group)
-    bad = group / "rs-t1-seed0" / "run_record.json"
+    _, group = copied_records(finished_sweep, tmp_path)
+    bad = group / f"{OTHER}-t1-seed0" / "run_record.json"
     record = json.loads(bad.read_text())
     record["dp_event"]["count"] += 1  # a run longer than its declared support point
     bad.write_text(json.dumps(record))
@@ -181,10 +260,8 @@ def test_a_record_calibrated_on_another_numeric_stack_matches_its_support_point(
     """Board v3's runs made on the lent GPU machine (scipy 1.18.1, numpy 2.5.2) calibrated
     sigma 3.5e-10 (relative) away from search.json's (this host's stack): the same mechanism,
     accepted; a sigma 1e-4 away (another mechanism) or one more step is refused, naming it."""
-    tmp, *_ = finished_sweep
-    group = tmp_path / GROUP
-    shutil.copytree(tmp / "records" / GROUP, group)
-    path = group / "rs-t1-seed0" / "run_record.json"
+    _, group = copied_records(finished_sweep, tmp_path)
+    path = group / f"{OTHER}-t1-seed0" / "run_record.json"
     record = json.loads(path.read_text())
     planned = record["dp_event"]
     for factor, matches in ((1 - 3.5e-10, True), (1 + 3.5e-10, True), (1 - 1e-4, False),
@@ -206,28 +283,26 @@ def test_a_record_calibrated_on_another_numeric_stack_matches_its_support_point(
 
 def test_an_unfinished_search_is_listed_not_ranked(finished_sweep, tmp_path):
     from dpbench import board
-    tmp, *_ = finished_sweep
-    records = tmp_path / "records"
-    shutil.copytree(tmp / "records", records)
+    records, _ = copied_records(finished_sweep, tmp_path)
     winner = tuning.search_summary(records / GROUP)["dpsgd"]["winner"]
     shutil.rmtree(records / GROUP / f"dpsgd-t{winner}-seed1")  # a winner's seed still running
     table = board.build(records, tmp_path / "board")
     assert GROUP not in table
     assert f"`{GROUP}` 5 of 6 runs" in (tmp_path / "board" / "README.md").read_text()
-    (records / GROUP / "rs-t0-seed9").mkdir()  # a stray run the plan does not know
-    (records / GROUP / "rs-t0-seed9" / "diverged.json").write_text("{}")
+    (records / GROUP / f"{OTHER}-t0-seed9").mkdir()  # a stray run the plan does not know
+    (records / GROUP / f"{OTHER}-t0-seed9" / "diverged.json").write_text("{}")
     (records / GROUP / "extra").mkdir()
-    shutil.copytree(records / GROUP / "rs-t0-seed0", records / GROUP / "extra2")
-    shutil.copytree(records / GROUP / "rs-t0-seed0", records / GROUP / "extra3")
+    shutil.copytree(records / GROUP / f"{OTHER}-t0-seed0", records / GROUP / "extra2")
+    shutil.copytree(records / GROUP / f"{OTHER}-t0-seed0", records / GROUP / "extra3")
     with pytest.raises(board.LeaderboardError, match="remove the strays"):
         board.build(records, tmp_path / "board")
 
 
 def test_the_board_shows_the_search_and_regenerates_identical_bytes(finished_sweep, tmp_path):
     from dpbench import board
-    tmp, *_ = finished_sweep
-    table = board.build(tmp / "records", tmp_path / "a")
-    summary = tuning.search_summary(tmp / "records" / GROUP)
+    records, group = copied_records(finished_sweep, tmp_path, RANDOM_LAW)
+    table = board.build(records, tmp_path / "a")
+    summary = tuning.search_summary(group)
     for row in table[GROUP]:  # the protocol's delta (1e-5), not digits.gin's default (1e-4)
         assert row["search"]["search_epsilon"] == summary[row["method"]]["search_epsilon"]
         assert row["seeds"] == 2  # the winner's two seeds
@@ -235,16 +310,16 @@ def test_the_board_shows_the_search_and_regenerates_identical_bytes(finished_swe
     assert f"{summary['dpsgd']['search_epsilon']:.3f}" in text
     assert "2 (1 + J, J ~ geometric, mean 1)" in text
     assert f"plots/{GROUP}__trials.svg" in text
-    board.build(tmp / "records", tmp_path / "b")
+    board.build(records, tmp_path / "b")
     for name in ("README.md", "index.html", f"plots/{GROUP}__trials.svg"):
         assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes()
     # the verdicts: the paper's claim next to v1's gain (none here) and v2's
-    board.build(tmp / "records", tmp_path / "c",
-                claims_json=V2_CLAIMS)
+    board.build(records, tmp_path / "c", claims_json=V2_CLAIMS, methods_dirs=(
+        methods.BOARD_METHODS, finished_sweep.folder / "my_methods"))
     text = (tmp_path / "c" / "README.md").read_text()
     assert f"## Verdicts: {GROUP}" in text
-    rs_row = next(line for line in text.splitlines() if line.startswith("| rs | Zhu"))
-    assert "n/a (not on v1)" in rs_row and f"{summary['rs']['search_epsilon']:.3f}" in rs_row
+    row = next(line for line in text.splitlines() if line.startswith(f"| {OTHER} | A. Res"))
+    assert "n/a (not on v1)" in row and f"{summary[OTHER]['search_epsilon']:.3f}" in row
 
 
 def test_a_changed_protocol_is_refused_once_a_search_began(tmp_path):
@@ -493,10 +568,7 @@ def test_a_secret_search_publishes_only_each_winner_with_its_papernot_steinke_ep
 def _paired_board_records(finished_sweep, tmp_path, deployment=True):
     """The tiny sweep's records with two more retrain seeds of each winner (copies of seed 1
     with their seed and test accuracy changed): a finished paired group with 3 retrains."""
-    tmp, *_ = finished_sweep
-    records = tmp_path / "records"
-    shutil.copytree(tmp / "records", records)
-    group = records / GROUP
+    records, group = copied_records(finished_sweep, tmp_path)
     plan = json.loads((group / sweep.SEARCH_FILE).read_text())
     plan["seeds"] = [0, 1, 2, 3]
     if deployment:
@@ -534,11 +606,11 @@ def test_a_paired_group_gets_v3_verdicts_intervals_both_epsilons_and_a_forest_pl
     from dpbench.board import paired
     records, group = _paired_board_records(finished_sweep, tmp_path)
     plan = json.loads((group / sweep.SEARCH_FILE).read_text())
-    assert paired.is_paired(plan)  # trial 1 of dpsgd and rs binds the same shared draws
+    assert paired.is_paired(plan)  # trial 1 of dpsgd and halfclip binds the same shared draws
     unpaired = json.loads(json.dumps(plan))
     lr = "optimize.optax.learning_rate"
-    unpaired["methods"]["rs"]["trials"][1] = [
-        f"{lr} = 9.99" if b.startswith(lr) else b for b in plan["methods"]["rs"]["trials"][1]]
+    unpaired["methods"][OTHER]["trials"][1] = [
+        f"{lr} = 9.99" if b.startswith(lr) else b for b in plan["methods"][OTHER]["trials"][1]]
     assert not paired.is_paired(unpaired)
     table = board.build(records, tmp_path / "a", claims_json=V2_CLAIMS)
     assert [r["seeds"] for r in table[GROUP]] == [3, 3]  # the selected seed 0 left out
@@ -553,23 +625,24 @@ def test_a_paired_group_gets_v3_verdicts_intervals_both_epsilons_and_a_forest_pl
                                 len(randoms))
     assert "Junk: {} of {} random trials".format(*analysis["junk"]) in (
         tmp_path / "a" / "README.md").read_text()
-    rs = analysis["methods"]["rs"]
-    assert rs["interval"]["low"] <= rs["interval"]["gain"] <= rs["interval"]["high"]
-    assert rs["verdict"] == ("better" if rs["interval"]["low"] > 0 else "worse"
-                             if rs["interval"]["high"] < 0 else "tie")
-    assert rs["interval"]["seed_df"] > 0 and len(rs["retrains"]) == 3  # seeds 1-3, not 0
-    # everything published for rs (its 2 trials and 3 retrains), composed by dp_accounting's
+    other = analysis["methods"][OTHER]
+    assert other["interval"]["low"] <= other["interval"]["gain"] <= other["interval"]["high"]
+    assert other["verdict"] == ("better" if other["interval"]["low"] > 0 else "worse"
+                             if other["interval"]["high"] < 0 else "tie")
+    assert other["interval"]["seed_df"] > 0 and len(other["retrains"]) == 3  # seeds 1-3, not 0
+    # everything published for halfclip (its 2 trials and 3 retrains), composed by dp_accounting's
     # PLD accountant without the board's folding of identical events
-    events = [json.loads(p.read_text())["dp_event"] for p in group.glob("rs-*/run_record.json")]
+    events = [json.loads(p.read_text())["dp_event"]
+              for p in group.glob(f"{OTHER}-*/run_record.json")]
     assert len(events) == 5
     pld = accounting.make_accountant(accounting.Budget(epsilon=1.0, delta=1e-5,
                                                        accountant="pld"))
     pld.compose(dp_event.ComposedDpEvent([accounting.event_from_json(e) for e in events]))
-    assert rs["published_epsilon"] == pytest.approx(pld.get_epsilon(1e-5), rel=2e-2)
-    assert rs["published_epsilon"] > rs["deployment_epsilon"]  # 5 runs vs mean K 2, secret
-    row = _v3_row(text, "rs")  # each epsilon in its own column
-    assert row["ε, all published"] == f"{rs['published_epsilon']:.3f}"
-    assert row["ε, K secret (deployment)"] == f"{rs['deployment_epsilon']:.3f}"
+    assert other["published_epsilon"] == pytest.approx(pld.get_epsilon(1e-5), rel=2e-2)
+    assert other["published_epsilon"] > other["deployment_epsilon"]  # 5 runs vs mean K 2, secret
+    row = _v3_row(text, OTHER)  # each epsilon in its own column
+    assert row["ε, all published"] == f"{other['published_epsilon']:.3f}"
+    assert row["ε, K secret (deployment)"] == f"{other['deployment_epsilon']:.3f}"
     assert "Baseline check" in text and "**weaker**" not in text
     board.build(records, tmp_path / "b", claims_json=V2_CLAIMS)
     assert (tmp_path / "b" / "README.md").read_text() == text
@@ -586,10 +659,10 @@ def test_a_deployment_without_an_rdp_bound_is_shown_with_its_reason(finished_swe
     (group / sweep.SEARCH_FILE).write_text(json.dumps(plan))
     board.build(records, tmp_path / "a", claims_json=V2_CLAIMS)
     text = (tmp_path / "a" / "README.md").read_text()
-    row = _v3_row(text, "rs")
+    row = _v3_row(text, OTHER)
     assert row["ε, K secret (deployment)"].startswith("none: truncated-batch overflow")
     assert float(row["ε, all published"]) > 0
-    assert "rs has no 'ε, K secret': truncated-batch overflow uses up delta" in text
+    assert f"{OTHER} has no 'ε, K secret': truncated-batch overflow uses up delta" in text
 
 
 def test_a_superseded_search_joins_its_methods_published_epsilon(finished_sweep, tmp_path):
@@ -609,8 +682,8 @@ def test_a_superseded_search_joins_its_methods_published_epsilon(finished_sweep,
     text = (tmp_path / "README.md").read_text()
     assert f"a first search (3 runs, published in `superseded/{GROUP}`, never ranked)" in text
     after = paired.analyse_group(group, {}, superseded_dir=earlier)["methods"]
-    assert after["rs"]["published_epsilon"] == before["rs"]["published_epsilon"]
-    assert after["dpsgd"]["superseded_runs"] == 3 and after["rs"]["superseded_runs"] == 0
+    assert after[OTHER]["published_epsilon"] == before[OTHER]["published_epsilon"]
+    assert after["dpsgd"]["superseded_runs"] == 3 and after[OTHER]["superseded_runs"] == 0
     events = [json.loads(p.read_text())["dp_event"]
               for p in [*group.glob("dpsgd-*/run_record.json"),
                         *earlier.glob("*/run_record.json")]]
@@ -621,7 +694,7 @@ def test_a_superseded_search_joins_its_methods_published_epsilon(finished_sweep,
     assert after["dpsgd"]["published_epsilon"] == pytest.approx(pld.get_epsilon(1e-5),
                                                                 rel=2e-2)
     assert after["dpsgd"]["published_epsilon"] > before["dpsgd"]["published_epsilon"] * 1.1
-    assert _v3_row(text, "rs")["ε, all published"] == f"{after['rs']['published_epsilon']:.3f}"
+    assert _v3_row(text, OTHER)["ε, all published"] == f"{after[OTHER]['published_epsilon']:.3f}"
 
 
 def test_a_diverged_trial_counts_in_everything_published_at_its_planned_event(
@@ -632,31 +705,31 @@ def test_a_diverged_trial_counts_in_everything_published_at_its_planned_event(
     from dpbench.board import paired
     records, group = _paired_board_records(finished_sweep, tmp_path)
     plan = json.loads((group / sweep.SEARCH_FILE).read_text())
-    for run in group.glob("rs-*-seed*"):  # rs's recipe wins: its seeds 1-3 are the retrains
-        if run.name != "rs-t0-seed0" and not run.name.startswith("rs-t1-seed0"):
+    for run in group.glob(f"{OTHER}-*-seed*"):  # OTHER's recipe wins: seeds 1-3 its retrains
+        if run.name != f"{OTHER}-t0-seed0" and not run.name.startswith(f"{OTHER}-t1-seed0"):
             shutil.rmtree(run)
-    recipe = json.loads((group / "rs-t0-seed0" / "run_record.json").read_text())
+    recipe = json.loads((group / f"{OTHER}-t0-seed0" / "run_record.json").read_text())
     for seed in (1, 2, 3):
-        (group / f"rs-t0-seed{seed}").mkdir()
-        (group / f"rs-t0-seed{seed}" / "run_record.json").write_text(json.dumps(
+        (group / f"{OTHER}-t0-seed{seed}").mkdir()
+        (group / f"{OTHER}-t0-seed{seed}" / "run_record.json").write_text(json.dumps(
             dict(recipe, seed=seed)))
-    shutil.rmtree(group / "rs-t1-seed0")
-    (group / "rs-t1-seed0").mkdir()
-    (group / "rs-t1-seed0" / tuning.DIVERGED).write_text("{}")
-    rs = paired.analyse_group(group, {})["methods"]["rs"]
-    assert rs["winner"] == 0
-    key = tuning.privacy_key(plan["methods"]["rs"]["trials"][1], tuning._protocol_of(plan),
-                             plan["family"], "rs")
-    (planned,) = [s["event"] for s in plan["methods"]["rs"]["support"]
+    shutil.rmtree(group / f"{OTHER}-t1-seed0")
+    (group / f"{OTHER}-t1-seed0").mkdir()
+    (group / f"{OTHER}-t1-seed0" / tuning.DIVERGED).write_text("{}")
+    other = paired.analyse_group(group, {})["methods"][OTHER]
+    assert other["winner"] == 0
+    key = tuning.privacy_key(plan["methods"][OTHER]["trials"][1], tuning._protocol_of(plan),
+                             plan["family"], OTHER)
+    (planned,) = [s["event"] for s in plan["methods"][OTHER]["support"]
                   if tuning.privacy_key(s["bindings"], tuning._protocol_of(plan),
-                                        plan["family"], "rs") == key]
+                                        plan["family"], OTHER) == key]
     events = [recipe["dp_event"]] * 4 + [planned]
     pld = accounting.make_accountant(accounting.Budget(epsilon=1.0, delta=1e-5,
                                                        accountant="pld"))
     pld.compose(dp_event.ComposedDpEvent([accounting.event_from_json(e) for e in events]))
-    assert rs["published_epsilon"] == pytest.approx(pld.get_epsilon(1e-5), rel=2e-2)
+    assert other["published_epsilon"] == pytest.approx(pld.get_epsilon(1e-5), rel=2e-2)
     without = paired.published_epsilon([recipe["dp_event"]] * 4, 1e-5)
-    assert rs["published_epsilon"] > without * 1.05  # the diverged run is not free
+    assert other["published_epsilon"] > without * 1.05  # the diverged run is not free
 
 
 def test_the_baseline_check_fires_on_a_recorded_stronger_dp_sgd(finished_sweep, tmp_path):
@@ -676,6 +749,6 @@ def test_the_baseline_check_fires_on_a_recorded_stronger_dp_sgd(finished_sweep, 
     text = (tmp_path / "a" / "README.md").read_text()
     assert "**weaker**" in text and "99.55" in text
     # no deployment law: no secret-K epsilon, while the published one is a number
-    row = _v3_row(text, "rs")
+    row = _v3_row(text, OTHER)
     assert row["ε, K secret (deployment)"] == "n/a"
     assert float(row["ε, all published"]) > 0

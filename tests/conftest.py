@@ -1,5 +1,6 @@
 """Shared fixtures: small models and a helper that compiles a pipeline on them."""
 
+import subprocess
 from pathlib import Path
 
 import gin
@@ -11,6 +12,29 @@ import dpbench.stages  # noqa: F401
 from dpbench import accounting, compiler, models, sampling, stages
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
+# A hang guard, never a verdict: no test's subprocess takes a tenth of this even on a loaded
+# 2-core machine; one still running then is stuck, and the failure says "hung" and what.
+HANG_GUARD_S = 1800
+
+
+def run_guarded(command, **kwargs) -> subprocess.CompletedProcess:
+    """subprocess.run with its output captured as text, under the suite's hang guard."""
+    try:
+        return subprocess.run(command, capture_output=True, text=True, timeout=HANG_GUARD_S,
+                              **kwargs)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"hung: {' '.join(map(str, command))[:400]} did not exit within "
+                    f"{HANG_GUARD_S} s")
+
+
+def wait_guarded(proc: subprocess.Popen, what: str) -> str:
+    """The output of a started process (Popen with stdout=PIPE, text) once it exits, under the
+    suite's hang guard."""
+    try:
+        return proc.communicate(timeout=HANG_GUARD_S)[0]
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        pytest.fail(f"hung: {what} did not exit within {HANG_GUARD_S} s")
 
 
 @pytest.fixture(autouse=True, scope="session")

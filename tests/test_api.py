@@ -3,14 +3,13 @@ settings into each other, and a re-imported stage module re-registers its stages
 
 import importlib
 import json
-import subprocess
 import sys
 import textwrap
 
 import pytest
 
 from dpbench import api, config, stage_check
-from tests.conftest import REPO_ROOT
+from tests.conftest import REPO_ROOT, run_guarded
 
 
 def readme_example() -> str:
@@ -20,8 +19,7 @@ def readme_example() -> str:
 
 
 def test_the_readmes_example_runs_as_written(tmp_path):
-    done = subprocess.run([sys.executable, "-c", readme_example()], cwd=tmp_path,
-                          capture_output=True, text=True, timeout=300)
+    done = run_guarded([sys.executable, "-c", readme_example()], cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     record = json.loads((tmp_path / "runs" / "api-example" / "run_record.json").read_text())
     assert record["pipeline"] == "dpsgd" and record["dataset"] == "digits"

@@ -2,7 +2,6 @@
 
 import json
 import math
-import subprocess
 import sys
 
 import numpy as np
@@ -12,7 +11,7 @@ from dpbench import audit, config, stages
 from dpbench.stages.base import Kind, Stage, stateless
 from dpbench.ops import add_gaussian_noise
 from dpbench.train import pipeline_stages
-from tests.conftest import REPO_ROOT
+from tests.conftest import REPO_ROOT, run_guarded
 
 
 def pipeline(gin_file, bindings=()):
@@ -90,10 +89,10 @@ def test_clopper_pearson_bound_matches_hand_values():
 
 def test_cli_audits_dpsgd_and_writes_a_report(tmp_path):
     out = tmp_path / "audit.json"
-    proc = subprocess.run(
+    proc = run_guarded(
         [sys.executable, "-c", "from dpbench.main import run; run()", "audit",
          "--gin_file=pipelines/dpsgd/pipeline.gin", "--trials=1000", "--claimed_epsilon=3.0",
-         f"--out={out}"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+         f"--out={out}"], cwd=REPO_ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(out.read_text())
     assert report["pipeline"] == "dpsgd" and not report["flagged"], report
@@ -133,11 +132,10 @@ def test_cli_exits_non_zero_when_the_audit_flags_and_still_writes_the_report(tmp
         "STAGES = [@grad.per_example(), @clip.global_l2(), @broken.half_noise(), "
         "@optimize.optax()]\n")
     out = tmp_path / "audit.json"
-    proc = subprocess.run(
+    proc = run_guarded(
         [sys.executable, "-c", "from dpbench.main import run; run()", "audit",
          f"--gin_file={tmp_path / 'half_noise.gin'}", "--trials=1000",
-         "--claimed_epsilon=3.0", f"--out={out}"], cwd=REPO_ROOT, capture_output=True,
-        text=True, timeout=300)
+         "--claimed_epsilon=3.0", f"--out={out}"], cwd=REPO_ROOT)
     assert proc.returncode == 1, (proc.returncode, proc.stderr[-3000:])
     assert "FLAGGED" in proc.stderr and "dpbench: audit of dpsgd" in proc.stderr
     assert json.loads(out.read_text())["flagged"] is True

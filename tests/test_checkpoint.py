@@ -19,7 +19,7 @@ from dp_accounting import dp_event
 from dp_accounting.pld import pld_privacy_accountant
 
 from dpbench import accounting, checkpoint, config, records, train
-from tests.conftest import REPO_ROOT
+from tests.conftest import HANG_GUARD_S, REPO_ROOT, run_guarded
 
 DIGITS = ["pipelines/dpsgd/pipeline.gin", "gin/data/digits.gin"]
 SHORT = ["train.epochs = 2", "train.log_every_steps = 5", "train.checkpoint_every_steps = 4",
@@ -53,22 +53,25 @@ def test_sigkill_at_a_random_step_then_resume_is_bit_identical(tmp_path):
     kill_after = int(np.random.default_rng().integers(4, 30))
     victim = subprocess.Popen(cli_command(killed, bindings), cwd=REPO_ROOT,
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.time() + 240
-    while time.time() < deadline:
+    start = time.monotonic()
+    while True:  # until the victim has logged step kill_after (its checkpoints are behind it)
         steps = [row["step"] for row in _metrics(killed) if "epsilon" in row]
         if steps and steps[-1] >= kill_after:
             break
         assert victim.poll() is None, "the run finished before it could be killed"
+        if time.monotonic() - start > HANG_GUARD_S:
+            victim.kill()
+            pytest.fail(f"hung: the run to kill did not log step {kill_after} within "
+                        f"{HANG_GUARD_S} s")
         time.sleep(0.01)
     victim.send_signal(signal.SIGKILL)
     victim.wait()
     assert not (killed / "run_record.json").exists()
     saved = checkpoint.RunCheckpoints(killed / train.CHECKPOINTS).latest_step()
     assert saved is not None and saved > 0
-    resumed = subprocess.run(cli_command(killed, bindings), cwd=REPO_ROOT, capture_output=True,
-                             text=True, timeout=300)
+    resumed = run_guarded(cli_command(killed, bindings), cwd=REPO_ROOT)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert uninterrupted.wait(timeout=300) == 0
+    assert uninterrupted.wait(timeout=HANG_GUARD_S) == 0, "the uninterrupted run failed or hung"
     assert f"from its checkpoint at step {saved}" in resumed.stderr
     # The resumed process took up at the checkpoint's step: no step index (so no noise key
     # fold_in(key, step)) was replayed from the start, and the key came from the checkpoint.
@@ -128,8 +131,7 @@ def test_checkpoint_restores_from_1_to_8_devices_and_back(tmp_path):
     """)
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
                JAX_PLATFORMS="cpu")
-    proc = subprocess.run([sys.executable, "-c", script], cwd=REPO_ROOT, env=env,
-                          capture_output=True, text=True, timeout=300)
+    proc = run_guarded([sys.executable, "-c", script], cwd=REPO_ROOT, env=env)
     assert proc.returncode == 0 and "OK" in proc.stdout, proc.stderr[-3000:]
 
 

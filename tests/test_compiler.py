@@ -1,6 +1,5 @@
 import json
 import os
-import subprocess
 import sys
 import textwrap
 
@@ -12,7 +11,7 @@ import pytest
 
 from dpbench import compiler, stages
 from dpbench.stages.base import Kind, Stage, stateless
-from tests.conftest import (REPO_ROOT, compile_small, dpsgd_stages, make_batch, random_data,
+from tests.conftest import (REPO_ROOT, run_guarded, compile_small, dpsgd_stages, make_batch, random_data,
                             small_model)
 from tests.stages.test_noise import std_test_pvalue
 
@@ -284,8 +283,8 @@ MULTI_DEVICE_SCRIPT = textwrap.dedent("""
 def test_step_on_8_fake_devices_equals_the_1_device_step():
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
                JAX_PLATFORMS="cpu")
-    proc = subprocess.run([sys.executable, "-c", MULTI_DEVICE_SCRIPT.format(root=str(REPO_ROOT))],
-                          env=env, capture_output=True, text=True, timeout=300)
+    proc = run_guarded([sys.executable, "-c", MULTI_DEVICE_SCRIPT.format(root=str(REPO_ROOT))],
+                       env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.split("RESULT", 1)[1])
     assert out["all_devices"] == 8 and out["one_devices"] == 1

@@ -1,13 +1,12 @@
 """End to end: the CLI on real (small) data, and bad input failing before training."""
 
 import json
-import subprocess
 import sys
 
 import pytest
 
 from dpbench import accounting, compiler, config, train
-from tests.conftest import REPO_ROOT
+from tests.conftest import REPO_ROOT, run_guarded
 
 DIGITS = ["pipelines/dpsgd/pipeline.gin", "gin/data/digits.gin"]
 QUICK = ["train.epochs = 2", "train.log_every_steps = 5"]
@@ -20,10 +19,10 @@ def run_in_process(tmp_path, files=DIGITS, bindings=()):
 
 def test_cli_trains_and_writes_a_record_with_a_privacy_statement(tmp_path):
     workdir = tmp_path / "run"
-    proc = subprocess.run(
+    proc = run_guarded(
         [sys.executable, "-m", "dpbench.main", *[f"--gin_file={f}" for f in DIGITS],
          "--gin_bindings=train.epochs = 3", "--gin_bindings=EPSILON = 2.0",
-         f"--workdir={workdir}"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+         f"--workdir={workdir}"], cwd=REPO_ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     record = json.loads((workdir / "run_record.json").read_text())
     statement = record["privacy_statement"]
@@ -40,9 +39,9 @@ def test_cli_trains_and_writes_a_record_with_a_privacy_statement(tmp_path):
     assert eps == sorted(eps) and eps[-1] == pytest.approx(record["epsilon"])
     assert "steps/s" in proc.stderr and "epsilon spent" in proc.stderr
     # a finished run is never overwritten
-    again = subprocess.run(
+    again = run_guarded(
         [sys.executable, "-m", "dpbench.main", *[f"--gin_file={f}" for f in DIGITS],
-         f"--workdir={workdir}"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+         f"--workdir={workdir}"], cwd=REPO_ROOT)
     assert again.returncode == 2 and "finished run" in again.stderr
 
 
@@ -50,12 +49,12 @@ def test_a_run_that_diverges_exits_2_with_the_error_and_no_record(tmp_path):
     """Runtime faults (here a divergence; a corrupt checkpoint takes the same path) reach the
     user as `dpbench: error: ...` and exit status 2, not a traceback; no record is written."""
     workdir = tmp_path / "run"
-    proc = subprocess.run(
+    proc = run_guarded(
         [sys.executable, "-m", "dpbench.main", *[f"--gin_file={f}" for f in DIGITS],
          "--gin_bindings=optimize.optax.learning_rate = 1e38",
          "--gin_bindings=optimize.optax.momentum = 0.0", "--gin_bindings=train.epochs = 1",
          "--gin_bindings=train.checkpoint_every_steps = 1", f"--workdir={workdir}"],
-        cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+        cwd=REPO_ROOT)
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert "dpbench: error: " in proc.stderr and "last good checkpoint is step" in proc.stderr
     assert "Traceback" not in proc.stderr
@@ -68,8 +67,7 @@ def test_a_run_that_diverges_exits_2_with_the_error_and_no_record(tmp_path):
     (["check"], "give at least one --gin_file"),
 ])
 def test_a_bad_or_missing_flag_exits_2_naming_it(args, message, tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "dpbench.main", *args], cwd=tmp_path,
-                          capture_output=True, text=True, timeout=300)
+    proc = run_guarded([sys.executable, "-m", "dpbench.main", *args], cwd=tmp_path)
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert message in proc.stderr and "Traceback" not in proc.stderr
 
@@ -155,8 +153,8 @@ def test_an_unknown_command_says_which_exist(monkeypatch, capsys):
 def test_each_commands_help_gives_its_flags_with_their_defaults(command, flag, default,
                                                                  monkeypatch, capsys):
     if command == "audit":  # its absl flags (--out) would clash with another module's here
-        done = subprocess.run([sys.executable, "-c", "from dpbench.main import run; run()",
-                               command, "--help"], capture_output=True, text=True, timeout=120)
+        done = run_guarded([sys.executable, "-c", "from dpbench.main import run; run()",
+                            command, "--help"])
         assert done.returncode == 0, done.stderr
         text = " ".join(done.stdout.split())
     else:

@@ -4,7 +4,6 @@ one stage module beside its pipeline, and puts it on a board next to DP-SGD thro
 
 import json
 import subprocess
-import sys
 import textwrap
 
 import pytest

@@ -9,6 +9,8 @@ import sys
 import textwrap
 from pathlib import Path
 
+from tests.conftest import run_guarded
+
 USER_MODULE = textwrap.dedent('''
     import jax
 
@@ -54,8 +56,8 @@ GIN = textwrap.dedent('''
 def _dpbench(tmp_path: Path, gin_text: str, name: str) -> subprocess.CompletedProcess:
     (tmp_path / f"{name}.gin").write_text(gin_text)
     command = Path(sys.executable).parent / "dpbench"  # the installed console script
-    return subprocess.run([str(command), f"--gin_file={name}.gin", f"--workdir={name}-run"],
-                          cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    return run_guarded([str(command), f"--gin_file={name}.gin", f"--workdir={name}-run"],
+                       cwd=tmp_path)
 
 
 def test_a_users_own_stage_trains_and_a_misdeclared_one_is_rejected(tmp_path):
@@ -92,12 +94,10 @@ def test_a_stage_that_lies_about_its_bound_is_refused_before_training(tmp_path):
     for written in ("run_record.json", "metrics.jsonl", "checkpoints"):  # nothing trained
         assert not (tmp_path / "liar-run" / written).exists(), written
     command = Path(sys.executable).parent / "dpbench"
-    checked = subprocess.run([str(command), "check", "--gin_file=liar.gin"], cwd=tmp_path,
-                             capture_output=True, text=True, timeout=300)
+    checked = run_guarded([str(command), "check", "--gin_file=liar.gin"], cwd=tmp_path)
     assert checked.returncode == 2 and "'bound' check" in checked.stderr
     (tmp_path / "good.gin").write_text(GIN.format(extra="@user.scale(), ", late=""))
-    checked = subprocess.run([str(command), "check", "--gin_file=good.gin"], cwd=tmp_path,
-                             capture_output=True, text=True, timeout=300)
+    checked = run_guarded([str(command), "check", "--gin_file=good.gin"], cwd=tmp_path)
     assert checked.returncode == 0, checked.stderr[-2000:]
     assert "user.scale: passed jit, bound, state" in checked.stdout
     assert "clip.global_l2: dpbench's own" in checked.stdout

@@ -11,8 +11,8 @@ import pytest
 
 from dpbench import compiler, stages
 from dpbench.stages.base import Kind, Stage, stateless
-from tests.conftest import (REPO_ROOT, run_guarded, compile_small, dpsgd_stages, make_batch, random_data,
-                            small_model)
+from tests.conftest import (REPO_ROOT, compile_small, dpsgd_stages, make_batch, random_data,
+                            run_guarded, small_model)
 from tests.stages.test_noise import std_test_pvalue
 
 

@@ -492,6 +492,62 @@ def test_a_published_or_finished_trial_is_never_trained_again(tmp_path):
     assert not (tmp_path / "runs" / sweep.LAUNCH_LOG).exists()
 
 
+class _HalfThenFail:
+    """A writable file that writes half of what it is given, then fails as a full disk or a
+    killed process would."""
+
+    def __init__(self, f):
+        self._f = f
+
+    def write(self, data):
+        self._f.write(data[:len(data) // 2])
+        self._f.flush()
+        raise OSError(28, "No space left on device (injected half-way through a write)")
+
+    def __getattr__(self, name):
+        return getattr(self._f, name)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return self._f.__exit__(*exc)
+
+
+def test_a_publish_that_fails_half_way_leaves_no_record(tmp_path, monkeypatch):
+    """run_job publishing a finished run's record, its write failing after half the bytes
+    (whatever file API publishing uses: builtins.open or os.fdopen): no record is under the
+    records folder afterwards, partial or whole, so a resumed sweep or the board never reads a
+    half-written record as a finished trial; the run is published whole by the next call."""
+    import builtins
+    job = dict(records=str(tmp_path / "records"), runs_dir=str(tmp_path / "runs"),
+               repo=str(config.REPO_ROOT), group=GROUP, epsilon=3.0, delta=1e-5,
+               method="dpsgd", trial=1, seed=0, gin_files=[], bindings=[])
+    finished = tmp_path / "runs" / GROUP / "dpsgd-t1-seed0"
+    finished.mkdir(parents=True)
+    whole = json.dumps({"validation_accuracy": 0.7, "pad": "x" * 4000})
+    (finished / "run_record.json").write_text(whole)
+    records = tmp_path / "records"
+    real_open, real_fdopen = builtins.open, os.fdopen
+
+    def faulty(opener):
+        def wrapped(file, mode="r", *args, **kwargs):
+            f = opener(file, mode, *args, **kwargs)
+            writes = any(c in mode for c in "wax+")
+            inside = isinstance(file, int) or str(records) in str(file)
+            return _HalfThenFail(f) if writes and inside else f
+        return wrapped
+    monkeypatch.setattr(builtins, "open", faulty(real_open))
+    monkeypatch.setattr(os, "fdopen", faulty(real_fdopen))
+    with pytest.raises(OSError, match="injected"):
+        sweep.run_job(job)
+    monkeypatch.undo()
+    left = [p for p in records.rglob("*") if p.is_file()] if records.exists() else []
+    assert left == [], left  # neither the record nor a temporary file
+    assert sweep.run_job(job)["validation_accuracy"] == 0.7  # the next call publishes it whole
+    assert (records / GROUP / "dpsgd-t1-seed0" / "run_record.json").read_text() == whole
+
+
 def test_a_failed_trial_says_whether_a_rerun_can_help():
     refused = "RuntimeError: rs-t1-seed0 failed (exit 2); log: /x.log:\nBudgetError: ..."
     crashed = "RuntimeError: rs-t1-seed0 failed (exit -9); log: /x.log:\n"

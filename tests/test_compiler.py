@@ -386,6 +386,8 @@ def test_fidelity_diagnostics_compare_the_release_with_the_clean_clipped_mean(si
         assert float(metrics["fidelity_cosine"]) == pytest.approx(1.0, abs=1e-5)
         assert float(metrics["noise_to_signal"]) == pytest.approx(0.0, abs=1e-5)
     else:
+        # the noise key is fixed, the data not: over 40 data seeds the cosine stayed <= 0.26
+        # and the ratio >= 5, so a chance failure is out of reach
         assert float(metrics["fidelity_cosine"]) < 0.9
         assert float(metrics["noise_to_signal"]) > 1.0
 

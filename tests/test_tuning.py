@@ -57,7 +57,12 @@ def test_the_worst_support_point_sets_the_search_epsilon():
 def test_the_trial_count_has_the_declared_mean(shape):
     rng = np.random.default_rng()
     draws = np.array([tuning.sample_trial_count(rng, 5.0, shape) for _ in range(4000)])
-    assert abs(draws.mean() - 5.0) < 4 * draws.std() / np.sqrt(len(draws))
+    # 4.5 standard errors of the law's exact sd, not the draws' own: on the skewed shape-0 law a
+    # low mean comes with a low sample sd (4 sample sds failed ~1.6e-4 of runs, simulated). The
+    # exact law of the sum (the pmf's FFT power) puts <= 8.9e-6 beyond it at every shape.
+    j = np.arange(401)
+    sd = np.sqrt(np.sum(_trial_count_pmf(5.0, shape, 400) * (j - 5.0) ** 2))
+    assert abs(draws.mean() - 5.0) < 4.5 * sd / np.sqrt(len(draws))
     assert draws.min() >= (0 if shape == math.inf else 1)
 
 
@@ -101,7 +106,10 @@ def test_the_trial_count_follows_the_accounted_law_exactly(shape):
     rng = np.random.default_rng()
     draws = np.array([tuning.sample_trial_count(rng, mean, shape) for _ in range(n)])
     assert draws.min() >= (0 if shape == math.inf else 1)
-    assert p_value(draws) > 1e-4
+    # false failures (2e6 simulated multinomial draws per shape): 0.95e-5..1.6e-5 at this
+    # 1e-5 (1.1e-4..1.4e-4 at 1e-4: bins of ~10 counts fatten the tail); the twin passes
+    # < 1e-6 in ~1e-7 of runs (shape inf, 1e7 simulated; 0 at the other shapes)
+    assert p_value(draws) > 1e-5
     assert p_value(1 + rng.poisson(mean - 1, n)) < 1e-6
 
 
@@ -272,7 +280,11 @@ def test_the_published_epsilon_is_dp_accountings_pld_composition_of_every_run():
     want.compose(dp_event.ComposedDpEvent(runs))
     assert got == pytest.approx(want.get_epsilon(1e-5), rel=1e-9)
     largest = max(tuning.published_epsilon([e], 1e-5) for e in stored)
-    assert got > 1.3 * largest  # three similar runs: about sqrt(3) times one
+    # three similar runs: about sqrt(3) times one, but not 1.3x for every draw (~1e-3 fell below
+    # in 3,000 RDP-accounted draws): the worst corner (one run at q 0.03, sigma 1.2, 599 steps,
+    # two at 0.02, 1.4, 400) gives 1.178, so 1.15 holds for every draw (rate 0) and still
+    # rejects the largest run alone (1.0)
+    assert got > 1.15 * largest
 
 
 def test_the_memoised_epsilons_are_keyed_on_the_events_content_not_on_their_identity():

@@ -195,6 +195,7 @@ def check_one_off_release_noise_matches_the_ledger(release_fn, snip, releases=64
     statistic = float(np.sum(np.square(spread))) / declared ** 2  # chi2(dof) under H0
     cdf = scipy.stats.chi2.cdf(statistic, dof)
     measured = declared * np.sqrt(statistic / dof)
+    # an exact chi-square law: false failures 1e-6; the 0.95x twin sits > 15 sds off
     assert 2 * min(cdf, 1 - cdf) > 1e-6, \
         f"released noise stddev {measured:.6g}, the ledger declares {declared:.6g}"
 

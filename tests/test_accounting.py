@@ -146,3 +146,36 @@ def test_ledger_json_round_trips_to_the_same_epsilon():
     rebuilt = accounting.event_from_json(json.loads(json.dumps(accounting.event_to_json(event))))
     assert rebuilt == event
     assert accounting.epsilon_of(rebuilt, budget) == accounting.epsilon_of(event, budget)
+
+
+@pytest.mark.parametrize("truncated", [False, True])
+def test_a_gaussian_lines_statement_fields_rebuild_its_own_epsilon(truncated):
+    """The statement's machine-readable fields of a sampled Gaussian ledger line (plain or
+    truncated Poisson) rebuild, with dp_accounting's own constructors alone, exactly the
+    epsilon of the line's composed event: a field off (the effective noise multiplier 10%
+    high, say) fails here, for either sampler."""
+    from dp_accounting.pld import pld_privacy_accountant
+    rng = np.random.default_rng()
+    n, q = 5000, float(rng.uniform(0.01, 0.05))
+    sigma, steps = float(rng.uniform(0.8, 1.5)), int(rng.integers(50, 200))
+    event = (dp_event.TruncatedSubsampledGaussianDpEvent(n, q, int(q * n + 6 * math.sqrt(q * n)),
+                                                         sigma) if truncated else
+             dp_event.PoissonSampledDpEvent(q, dp_event.GaussianDpEvent(sigma)))
+    line = accounting.Mechanism("Gaussian release of the clipped gradient sum",
+                                "clip.global_l2 + noise.gaussian", accounting.EVERY_STEP,
+                                event, steps)
+    fields = accounting.mechanism_fields(line)
+    assert fields["effective_noise_multiplier"] == sigma and fields["count"] == steps
+    if fields["truncated_batch_size"] is None:
+        rebuilt = dp_event.PoissonSampledDpEvent(
+            fields["sampling_probability"],
+            dp_event.GaussianDpEvent(fields["effective_noise_multiplier"]))
+    else:
+        rebuilt = dp_event.TruncatedSubsampledGaussianDpEvent(
+            fields["dataset_size"], fields["sampling_probability"],
+            fields["truncated_batch_size"], fields["effective_noise_multiplier"])
+    by_fields, by_ledger = (pld_privacy_accountant.PLDAccountant(value_discretization_interval=1e-3)
+                           for _ in range(2))
+    by_fields.compose(rebuilt, fields["count"])
+    by_ledger.compose(line.composed())
+    assert by_fields.get_epsilon(1e-5) == pytest.approx(by_ledger.get_epsilon(1e-5), rel=1e-9)

@@ -308,6 +308,49 @@ def test_full_disk_during_a_checkpoint_names_the_last_good_step(tmp_path, monkey
         run_in_process(tmp_path / "run")
 
 
+def _one_nonfinite_example_per_step(monkeypatch):
+    """Every step reports one more non-finite (zeroed) example than it had: a count to follow
+    through a checkpoint, the step's computation unchanged."""
+    import dataclasses
+    build = train.build_run
+
+    def counting_build(*args, **kwargs):
+        run = build(*args, **kwargs)
+        step = run.compiled.step
+
+        def counting_step(state, batch):
+            new, metrics = step(state, batch)
+            return new, dict(metrics, nonfinite_examples=metrics["nonfinite_examples"] + 1.0)
+        return dataclasses.replace(run, compiled=dataclasses.replace(run.compiled,
+                                                                     step=counting_step))
+    monkeypatch.setattr(train, "build_run", counting_build)
+
+
+def test_a_resumed_run_reports_every_nonfinite_example_of_its_first_segment(tmp_path,
+                                                                            monkeypatch):
+    """The zeroed-example count is restored from the checkpoint's ledger: a run stopped after
+    its step-4 checkpoint and resumed reports the uninterrupted run's count, never only its
+    second segment's."""
+    _one_nonfinite_example_per_step(monkeypatch)
+    whole = run_in_process(tmp_path / "whole")
+    assert whole["nonfinite_examples"] == whole["steps"] > 4
+    original = checkpoint.ocp.CheckpointManager.save
+    saves = {"n": 0}
+
+    def second_save_fails(self, step, *args, **kwargs):
+        saves["n"] += 1
+        if saves["n"] > 1:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return original(self, step, *args, **kwargs)
+    with monkeypatch.context() as patch:
+        patch.setattr(checkpoint.ocp.CheckpointManager, "save", second_save_fails)
+        with pytest.raises(checkpoint.CheckpointError, match="last good checkpoint is step 4"):
+            run_in_process(tmp_path / "stopped")
+    resumed = run_in_process(tmp_path / "stopped")
+    assert resumed["resumed_from_steps"] and resumed["steps"] == whole["steps"]
+    assert resumed["nonfinite_examples"] == whole["nonfinite_examples"]
+
+
 def test_unwritable_workdir_fails_before_training(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("not a directory")

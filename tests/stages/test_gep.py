@@ -362,6 +362,27 @@ def test_book_keeping_gives_the_release_of_per_example_gradients(model_name, sha
         np.testing.assert_allclose(one.T @ one, other.T @ other, atol=1e-4)
 
 
+def test_the_residual_bound_takes_the_bases_own_orthonormality_error():
+    """The eps that enters the S2 residual bound (the stage state's ``orth_error``, set at each
+    basis refresh) bounds the float32 basis's actual ||B B^T - I||_2, computed in float64
+    after a real step: float32 leaves the basis only nearly orthonormal (the actual error is
+    not 0), and the S2 clip stays sound only with that error in its bound."""
+    model, build = _compile_with_model("mlp", (8, 8, 1))
+    compiled = build(False)
+    images, labels = random_data(48, (8, 8, 1), num_classes=10,
+                                 seed=int(np.random.default_rng().integers(1 << 30)))
+    state = compiled.init_state(model.init(jax.random.key(1), jnp.zeros((1, 8, 8, 1))),
+                                jax.random.key(2))
+    b = compiled.sampler.sample(0)
+    new, _ = compiled.step(state, make_batch(compiled, images, labels, b.indices, b.mask))
+    gep_state = new.stage_states[1]
+    actual = max(np.linalg.norm(np.asarray(basis, np.float64) @ np.asarray(basis, np.float64).T
+                                - np.eye(basis.shape[0]), 2)
+                 for basis in gep_state["basis"].values())
+    assert actual > 0
+    assert float(gep_state["orth_error"]) >= actual
+
+
 def _via_layer_form(grads, basis, eps, embedding_bound, residual_bound, biased):
     """gep.embed_and_clip_one's signature, computed by the book-keeping form for a batch of
     one example (its sum is its own value): what the compiler runs for a matmul model."""

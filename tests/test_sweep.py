@@ -179,6 +179,29 @@ def test_the_search_epsilon_is_recomputed_from_the_records_with_dp_accounting(fi
         assert summary[method]["search_epsilon"] > trial0["epsilon"]
 
 
+@pytest.mark.parametrize("law", [{"shape": "inf", "mean_random": 3},
+                                 {"shape": 1, "mean_random": 4}])
+def test_a_random_k_search_epsilon_is_dp_accountings_for_the_declared_law(finished_sweep,
+                                                                          tmp_path, law):
+    """Known value, from a group's records alone: the tiny sweep's records read as a random-K
+    search with J ~ ``law`` (the epsilon depends on the law, not on the J drawn); each
+    method's search_summary epsilon is dp_accounting's RDP of trial 0 composed with its public
+    RepeatAndSelectDpEvent at the DECLARED mean and shape (a mean off by one moves it far
+    beyond the tolerance)."""
+    _, group = copied_records(finished_sweep, tmp_path, dict(law, seed=7))
+    plan = json.loads((group / sweep.SEARCH_FILE).read_text())
+    shape = math.inf if law["shape"] == "inf" else float(law["shape"])
+    for method, got in tuning.search_summary(group).items():
+        (support,) = plan["methods"][method]["support"]  # B 256, 1 epoch: one support point
+        view, _ = accounting._rdp_view(accounting.event_from_json(support["event"]))
+        rdp = rdp_privacy_accountant.RdpAccountant()
+        rdp.compose(dp_event.ComposedDpEvent(
+            [view, dp_event.RepeatAndSelectDpEvent(view, law["mean_random"], shape)]))
+        # the search charges the truncated batches' overflow (~1e-12) to delta: rel 1e-3
+        assert got["search_epsilon"] == pytest.approx(rdp.get_epsilon(1e-5), rel=1e-3)
+        assert got["law"] == law
+
+
 def test_a_fixed_k_board_states_its_deployments_secret_k_epsilon(finished_sweep, tmp_path):
     """A fixed K (board v3: K is public) with a declared deployment law: search_summary gives
     the K runs' composition AND the Papernot-Steinke epsilon of a deployment drawing J from that

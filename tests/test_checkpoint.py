@@ -329,11 +329,9 @@ def _one_nonfinite_example_per_step(monkeypatch):
 def test_a_resumed_run_reports_every_nonfinite_example_of_its_first_segment(tmp_path,
                                                                             monkeypatch):
     """The zeroed-example count is restored from the checkpoint's ledger: a run stopped after
-    its step-4 checkpoint and resumed reports the uninterrupted run's count, never only its
-    second segment's."""
+    its step-4 checkpoint and resumed reports one example per step of both segments (digits
+    has no non-finite example of its own), never only its second segment's."""
     _one_nonfinite_example_per_step(monkeypatch)
-    whole = run_in_process(tmp_path / "whole")
-    assert whole["nonfinite_examples"] == whole["steps"] > 4
     original = checkpoint.ocp.CheckpointManager.save
     saves = {"n": 0}
 
@@ -347,8 +345,8 @@ def test_a_resumed_run_reports_every_nonfinite_example_of_its_first_segment(tmp_
         with pytest.raises(checkpoint.CheckpointError, match="last good checkpoint is step 4"):
             run_in_process(tmp_path / "stopped")
     resumed = run_in_process(tmp_path / "stopped")
-    assert resumed["resumed_from_steps"] and resumed["steps"] == whole["steps"]
-    assert resumed["nonfinite_examples"] == whole["nonfinite_examples"]
+    assert resumed["resumed_from_steps"] and resumed["steps"] > 8
+    assert resumed["nonfinite_examples"] == resumed["steps"]
 
 
 def test_unwritable_workdir_fails_before_training(tmp_path):

@@ -37,6 +37,54 @@ def wait_guarded(proc: subprocess.Popen, what: str) -> str:
         pytest.fail(f"hung: {what} did not exit within {HANG_GUARD_S} s")
 
 
+# The longest modules first (measured: the tiny Ray sweep's module, then the trained runs'),
+# so that pytest-xdist (--dist loadfile: a module per worker) starts them at once and shares
+# the many short ones out at the end: started last, a long module leaves the other workers
+# idle while it runs alone.
+LONGEST_MODULES_FIRST = ("test_sweep.py", "test_pipelines.py", "test_checkpoint.py",
+                         "test_stage_contract.py", "test_gep.py", "test_bookkeeping.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    order = {name: i for i, name in enumerate(LONGEST_MODULES_FIRST)}
+    items.sort(key=lambda item: order.get(item.path.name, len(order)))  # stable: else as found
+
+
+@pytest.fixture(autouse=True, scope="session")
+def shared_compilations(tmp_path_factory):
+    """One JAX compilation cache for the whole test session: its pytest-xdist workers and every
+    subprocess they start (through the environment) compile a program that another test
+    already compiled only once. Keyed by JAX on the program, the compile options, the XLA flags
+    and the backend, so a hit is the same executable a compilation would give (bit-identical
+    results); it starts empty with each session, in the session's temporary folder.
+    DPBENCH_TEST_JAX_CACHE=0 turns it off (to rule it out, or to time the suite without it)."""
+    import os
+
+    import jax
+    if os.environ.get("DPBENCH_TEST_JAX_CACHE") == "0":
+        yield None
+        return
+    base = tmp_path_factory.getbasetemp()
+    folder = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "jax-cache"
+    folder.mkdir(exist_ok=True)
+    settings = {"jax_compilation_cache_dir": str(folder),
+                # every program, not only those that take a second: the suite's are small
+                "jax_persistent_cache_min_compile_time_secs": 0.0}
+    old_env = {k.upper(): os.environ.get(k.upper()) for k in settings}
+    old = {k: getattr(jax.config, k) for k in settings}
+    for key, value in settings.items():
+        jax.config.update(key, value)
+        os.environ[key.upper()] = str(value)
+    yield folder
+    for key, value in old.items():
+        jax.config.update(key, value)
+    for key, value in old_env.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+
+
 @pytest.fixture(autouse=True, scope="session")
 def feature_cache(tmp_path_factory):
     """Feature caches of the whole session in one temporary folder, never the user's

@@ -721,6 +721,34 @@ def test_a_paired_group_gets_v3_verdicts_intervals_both_epsilons_and_a_forest_pl
     assert (tmp_path / "b" / "README.md").read_text() == text
 
 
+def test_each_group_and_method_bootstraps_on_its_own_documented_stream(finished_sweep,
+                                                                       tmp_path):
+    """A verdict's bootstrap draws from the generator dpbench/board/paired.py documents, seeded
+    from the group and method names (search_space.stable_seed(group, method, "boot")): the
+    interval is the one recomputed here on that stream from the method's own outcomes, and one
+    stream for every group and method (seeded 0) gives another."""
+    from dpbench import search_space
+    from dpbench.board import paired, uncertainty
+    _, group = _paired_board_records(finished_sweep, tmp_path)
+    plan = json.loads((group / sweep.SEARCH_FILE).read_text())
+    summary = tuning.search_summary(group)
+    got = paired.analyse_group(group, {}, draws=400)["methods"][OTHER]["interval"]
+    base, mine = (paired.method_runs(group, plan, m, summary[m]["winner"])
+                  for m in ("dpsgd", OTHER))
+    realized = (mine["test"][summary[OTHER]["winner"]]
+                - base["test"][summary["dpsgd"]["winner"]])
+
+    def interval(seed):
+        rng = np.random.default_rng(seed)
+        selection = uncertainty.selection_draws(base["validation"], base["test"],
+                                                mine["validation"], mine["test"], draws=400,
+                                                rng=rng)
+        return uncertainty.gain_interval(base["retrains"], mine["retrains"], selection,
+                                         realized, rng=rng)
+    assert got == interval(search_space.stable_seed(group.name, OTHER, "boot"))
+    assert got != interval(0)
+
+
 def test_a_deployment_without_an_rdp_bound_is_shown_with_its_reason(finished_sweep, tmp_path):
     """A deployment law whose expected truncated-batch overflows use up delta (mean K 10^4
     here; board v3's Nasr at K 8, whose padded batch of 256 overflows more often): its 'K

@@ -112,6 +112,13 @@ def _search_paths() -> list[Path]:
     return [Path.cwd(), REPO_ROOT]
 
 
+def _from_gin_package_reader(error: BaseException) -> bool:
+    """Whether ``error`` was raised inside gin's package-path file reader."""
+    import traceback
+    return any(Path(frame.filename).parts[-2:] == ("gin", "resource_reader.py")
+               for frame in traceback.extract_tb(error.__traceback__))
+
+
 def parse_config(gin_files: Sequence[str], gin_bindings: Sequence[str]) -> None:
     """Parses gin files and bindings with the cwd and the repo root as include search paths.
 
@@ -147,5 +154,16 @@ def parse_config(gin_files: Sequence[str], gin_bindings: Sequence[str]) -> None:
         raise ConfigError(f"gin configuration error: {e}\nknown stages: "
                           f"{', '.join(registered_stage_names())}; check the spelling of "
                           "configurable and parameter names") from e
+    except TypeError as e:
+        if not _from_gin_package_reader(e):
+            raise
+        # gin's last reader looks an include up as a file inside a Python package; a folder
+        # that imports as a namespace package (pipelines/ from the repository root, the cwd
+        # being importable) has no file location, and gin fails on it with a TypeError
+        # instead of its "Unable to open file". The file is missing all the same.
+        where = str(e).partition("\n")[2]  # gin's "In file ..., line N" and the include
+        searched = list(dict.fromkeys(str(p) for p in _search_paths()))
+        raise ConfigError(f"gin configuration error: Unable to open the file this include "
+                          f"names (searched {searched}); check its path\n{where}") from e
     finally:
         root_logger.removeFilter(_drop_gin_search_misses)

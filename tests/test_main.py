@@ -179,3 +179,19 @@ def test_a_pipeline_run_from_a_users_own_folder_logs_no_error(tmp_path, monkeypa
     (tmp_path / "broken.gin").write_text("include 'gin/nowhere.gin'\n")
     with pytest.raises(config.ConfigError, match="nowhere.gin"):
         config.parse_config(["broken.gin"], [])
+
+
+@pytest.mark.parametrize("where", ["repository", "elsewhere"])
+def test_a_missing_include_exits_2_naming_the_file_for_train_and_audit(where, tmp_path):
+    """An include of a file that does not exist, under a folder that does (`pipelines/`: from
+    the repository root gin's package-path reader took it for a namespace package and failed
+    with a TypeError traceback, exit 1, which `dpbench audit` reserves for 'flagged'): exit 2
+    and the missing file named, from the repository root and from anywhere else."""
+    (tmp_path / "broken.gin").write_text("include 'pipelines/no_such_method.gin'\n")
+    cwd = REPO_ROOT if where == "repository" else tmp_path
+    gin_file = f"--gin_file={tmp_path / 'broken.gin'}"
+    for args in ([gin_file, f"--workdir={tmp_path / 'run'}"], ["audit", gin_file]):
+        proc = run_guarded([sys.executable, "-m", "dpbench.main", *args], cwd=cwd)
+        assert proc.returncode == 2, (args, proc.stderr[-2000:])
+        assert "pipelines/no_such_method.gin" in proc.stderr and "Traceback" not in proc.stderr
+    assert not (tmp_path / "run").exists()

@@ -74,3 +74,30 @@ def test_a_reimported_stage_module_re_registers_and_a_stolen_name_is_refused(
         "def scale(", "def other_scale("))
     with pytest.raises(ValueError, match="'reloaded.scale' is registered twice"):
         importlib.import_module("thief_stages")
+
+
+def test_a_stage_module_reloads_after_a_run(tmp_path, monkeypatch):
+    """The README's promise: after api.train (whose parse leaves gin's configuration locked),
+    the user's stage module, edited, re-imports (importlib.reload) and the next call runs the
+    edited stage."""
+    monkeypatch.syspath_prepend(str(tmp_path))
+    source = textwrap.dedent('''
+        import jax
+        from dpbench.stages import Kind, Stage, register_stage, stateless
+
+        @register_stage("afterrun.scale")
+        def scale(factor: float = FACTOR) -> Stage:
+            return Stage(name="afterrun.scale", kind_in=Kind.PER_EXAMPLE,
+                         kind_out=Kind.PER_EXAMPLE, options=dict(factor=factor),
+                         make=stateless(lambda g, s, ctx: jax.tree.map(lambda v: factor * v, g)))
+    ''')
+    (tmp_path / "afterrun_stages.py").write_text(source.replace("FACTOR", "0.5"))
+    stages_gin = ("import afterrun_stages\nSTAGES = [@grad.per_example(), @afterrun.scale(), "
+                  "@clip.global_l2(), @noise.gaussian(), @optimize.optax()]")
+    record = api.train(tmp_path / "run", ["pipelines/dpsgd", "gin/data/digits.gin"],
+                       [stages_gin, "train.epochs = 1"])
+    assert record["stages"][1] == {"name": "afterrun.scale", "factor": 0.5}
+    (tmp_path / "afterrun_stages.py").write_text(source.replace("FACTOR", "0.25"))
+    importlib.reload(sys.modules["afterrun_stages"])
+    _, stages = api.configure(["pipelines/dpsgd"], stages_gin)
+    assert stages[1].options == {"factor": 0.25}

@@ -232,7 +232,11 @@ def register_stage(name: str):
             # the same function again: its module was re-imported (importlib.reload in a
             # notebook). gin has no public unregister; its registry's pop is the one reach in.
             gin.config._REGISTRY.pop(name)  # noqa: SLF001
-        configurable = gin.configurable(fn_name, module=module)(factory)
+        # A parse leaves gin's configuration locked, and a module re-imported after a run
+        # (importlib.reload in a notebook) registers again: adding a configurable changes no
+        # binding of the parsed configuration, so it is done with the lock lifted.
+        with gin.unlock_config():
+            configurable = gin.configurable(fn_name, module=module)(factory)
         _REGISTERED[name] = configurable
         return configurable
 

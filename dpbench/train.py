@@ -290,8 +290,14 @@ def train(workdir: str | Path, config: Optional[TrainConfig] = None,
     compiler.validate_pipeline(stages)  # fail on a bad pipeline before loading any data
     # a stage that is not dpbench's own: its declaration verified on synthetic data first
     verified = stage_check.verify_pipeline(stages)
+    created = not workdir.exists()
     prepare_workdir(workdir, overwrite)
-    run = build_run(stages, config, budget)
+    try:
+        run = build_run(stages, config, budget)
+    except BaseException:
+        if created and not any(workdir.iterdir()):
+            workdir.rmdir()  # refused before training: no empty workdir left behind
+        raise
     compiled, sampler = run.compiled, run.sampler
     logging.info("pipeline %s: sigma=%.5f sensitivity=%g steps=%d q=%.5g padded batch=%d "
                  "(calibrated in %.1fs)", pipeline_name, compiled.noise_multiplier,

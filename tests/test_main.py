@@ -99,7 +99,7 @@ def test_shuffled_batches_are_flagged_in_the_record(tmp_path):
 def test_bad_input_fails_before_training_with_what_to_change(tmp_path, bindings, error, match):
     with pytest.raises(error, match=match):
         run_in_process(tmp_path, bindings=bindings)
-    assert not (tmp_path / "run" / "metrics.jsonl").exists()  # nothing trained
+    assert not (tmp_path / "run").exists()  # nothing trained, no empty workdir left behind
 
 
 def test_missing_fashion_mnist_files_name_the_install_command(tmp_path, monkeypatch):

@@ -33,6 +33,12 @@ def main(argv) -> None:
         logging.error("%s: %s", type(e).__name__, e)
         print(f"dpbench: error: {e}", file=sys.stderr)
         sys.exit(2)
+    except KeyboardInterrupt:
+        # Ctrl-C: every checkpoint and record is written atomically, so what was saved is
+        # intact; say how to go on, not where Python was (128 + SIGINT, as shells report it)
+        print(f"dpbench: interrupted; rerun the same command to resume {FLAGS.workdir} from "
+              "its last checkpoint", file=sys.stderr)
+        sys.exit(130)
 
 
 def check_main(argv) -> None:

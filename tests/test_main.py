@@ -1,12 +1,13 @@
 """End to end: the CLI on real (small) data, and bad input failing before training."""
 
 import json
+import subprocess
 import sys
 
 import pytest
 
 from dpbench import accounting, compiler, config, train
-from tests.conftest import REPO_ROOT, run_guarded
+from tests.conftest import HANG_GUARD_S, REPO_ROOT, run_guarded, wait_guarded
 
 DIGITS = ["pipelines/dpsgd/pipeline.gin", "gin/data/digits.gin"]
 QUICK = ["train.epochs = 2", "train.log_every_steps = 5"]
@@ -195,3 +196,29 @@ def test_a_missing_include_exits_2_naming_the_file_for_train_and_audit(where, tm
         assert proc.returncode == 2, (args, proc.stderr[-2000:])
         assert "pipelines/no_such_method.gin" in proc.stderr and "Traceback" not in proc.stderr
     assert not (tmp_path / "run").exists()
+
+
+def test_ctrl_c_says_how_to_resume_instead_of_a_traceback(tmp_path):
+    """SIGINT (Ctrl-C) in the middle of training: exit 130 with one line saying how to go on
+    (the same command resumes from the last checkpoint), not a KeyboardInterrupt traceback."""
+    import signal
+    import time
+    workdir = tmp_path / "run"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "dpbench.main", *[f"--gin_file={f}" for f in DIGITS],
+         "--gin_bindings=train.epochs = 50", "--gin_bindings=train.log_every_steps = 1",
+         f"--workdir={workdir}"], cwd=REPO_ROOT, stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True)
+    start = time.monotonic()
+    while not (workdir / "metrics.jsonl").exists():  # training has begun
+        assert proc.poll() is None, proc.communicate()[0][-3000:]
+        if time.monotonic() - start > HANG_GUARD_S:
+            proc.kill()
+            pytest.fail(f"hung: no step logged in {HANG_GUARD_S} s")
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    out = wait_guarded(proc, "the interrupted run")
+    assert proc.returncode == 130, out[-3000:]
+    assert "Traceback" not in out and "KeyboardInterrupt" not in out, out[-3000:]
+    assert "interrupted" in out and "rerun the same command" in out
+    assert not (workdir / "run_record.json").exists()

@@ -48,20 +48,26 @@ def test_configure_starts_afresh_and_check_names_a_lying_stage(tmp_path, monkeyp
         api.check(gin=gin_text)
 
 
+def scale_stage_source(name: str) -> str:
+    """A user's stage module registering ``name``, a per-example scale whose default factor is
+    the placeholder FACTOR (the tests edit it, as a user edits a module in a notebook)."""
+    return textwrap.dedent('''
+        import jax
+        from dpbench.stages import Kind, Stage, register_stage, stateless
+
+        @register_stage("NAME")
+        def scale(factor: float = FACTOR) -> Stage:
+            return Stage(name="NAME", kind_in=Kind.PER_EXAMPLE,
+                         kind_out=Kind.PER_EXAMPLE, options=dict(factor=factor),
+                         make=stateless(lambda g, s, ctx: jax.tree.map(lambda v: factor * v, g)))
+    ''').replace("NAME", name)
+
+
 def test_a_reimported_stage_module_re_registers_and_a_stolen_name_is_refused(
         tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(tmp_path))
     module = tmp_path / "reloaded_stages.py"
-    source = textwrap.dedent('''
-        import jax
-        from dpbench.stages import Kind, Stage, register_stage, stateless
-
-        @register_stage("reloaded.scale")
-        def scale(factor: float = FACTOR) -> Stage:
-            return Stage(name="reloaded.scale", kind_in=Kind.PER_EXAMPLE,
-                         kind_out=Kind.PER_EXAMPLE, options=dict(factor=factor),
-                         make=stateless(lambda g, s, ctx: jax.tree.map(lambda v: factor * v, g)))
-    ''')
+    source = scale_stage_source("reloaded.scale")
     module.write_text(source.replace("FACTOR", "0.5"))
     stages_module = importlib.import_module("reloaded_stages")
     module.write_text(source.replace("FACTOR", "0.25"))  # edited in the notebook, re-imported
@@ -81,16 +87,7 @@ def test_a_stage_module_reloads_after_a_run(tmp_path, monkeypatch):
     the user's stage module, edited, re-imports (importlib.reload) and the next call runs the
     edited stage."""
     monkeypatch.syspath_prepend(str(tmp_path))
-    source = textwrap.dedent('''
-        import jax
-        from dpbench.stages import Kind, Stage, register_stage, stateless
-
-        @register_stage("afterrun.scale")
-        def scale(factor: float = FACTOR) -> Stage:
-            return Stage(name="afterrun.scale", kind_in=Kind.PER_EXAMPLE,
-                         kind_out=Kind.PER_EXAMPLE, options=dict(factor=factor),
-                         make=stateless(lambda g, s, ctx: jax.tree.map(lambda v: factor * v, g)))
-    ''')
+    source = scale_stage_source("afterrun.scale")
     (tmp_path / "afterrun_stages.py").write_text(source.replace("FACTOR", "0.5"))
     stages_gin = ("import afterrun_stages\nSTAGES = [@grad.per_example(), @afterrun.scale(), "
                   "@clip.global_l2(), @noise.gaussian(), @optimize.optax()]")

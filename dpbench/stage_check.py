@@ -155,6 +155,21 @@ def _bounded_sum_bound(compiled) -> float:
     return bound
 
 
+def _which_declaration_lies(h: Harness, moved: float, declared: float) -> str:
+    """Name the declaration that the measured move contradicts, and the least honest value."""
+    said = (f"one example moved the clipped sum by {moved:.4g}, more than the declared bound "
+            f"{declared:.4g}")
+    if h.stage.kind_in == K.BOUNDED and h.stage.lipschitz is not None:
+        honest = h.stage.lipschitz * moved / declared
+        return (f"{said}, so its declared Lipschitz factor {h.stage.lipschitz:g} is too small: "
+                f"declare lipschitz >= {honest:.4g} or make the stage contract by the factor it "
+                "declares")
+    if h.stage.kind_out == K.BOUNDED and h.stage.l2_bound is not None:
+        return (f"{said}, so it clips to more than its declared l2_bound {h.stage.l2_bound:g}: "
+                "clip to the bound it declares, or declare the bound it clips to")
+    return f"{said}: the stage changes what the clip bounds"
+
+
 def check_bound(h: Harness) -> None:
     rng = np.random.default_rng()
     clipped_sum = jax.jit(lambda state, batch: h.compiled.lowered.clipped_sum(state, batch)[0])
@@ -175,9 +190,8 @@ def check_bound(h: Harness) -> None:
         moved = [_norm(p) for p in diff.values()] if parts > 1 else []
         if any(m > bound * (1 + 1e-4) for m in moved) or _norm(diff) > np.sqrt(
                 parts) * bound * (1 + 1e-4):
-            raise StageCheckError(h.stage.name, "bound", (
-                f"one example moved the clipped sum by {_norm(diff):.4g}, more than the "
-                f"declared bound {np.sqrt(parts) * bound:.4g}"))
+            raise StageCheckError(h.stage.name, "bound", _which_declaration_lies(
+                h, _norm(diff), np.sqrt(parts) * bound))
     if h.stage.kind_in == K.AGGREGATE and h.stage.lipschitz is not None:
         ctx = stages.StepContext(params=h.state.params, step=jnp.asarray(0),
                                  key=jax.random.key(2),

@@ -22,6 +22,7 @@ allow and compiled by the one compiler on a small model. Then:
 """
 
 import dataclasses
+import re
 
 import jax
 import jax.numpy as jnp
@@ -158,8 +159,10 @@ def test_a_stage_that_lies_about_its_bound_or_its_lipschitz_factor_is_caught():
     loose = stages.Stage(name="broken.loose_clip", kind_in=K.PER_EXAMPLE, kind_out=K.BOUNDED,
                          make=stages.base.stateless(lambda v, s, ctx: ops.clip_to_l2(v, 1.0)),
                          l2_bound=0.1)
-    with pytest.raises(StageCheckError, match="'broken.loose_clip' fails the 'bound' check"):
+    with pytest.raises(StageCheckError, match="'broken.loose_clip' fails the 'bound' check") as e:
         check_bound(harness_for(loose))
+    assert "declared l2_bound 0.1" in str(e.value)  # the message names the lie to fix
+    assert "Lipschitz" not in str(e.value)
     honest = stages.Stage(name="fine.clip", kind_in=K.PER_EXAMPLE, kind_out=K.BOUNDED,
                           make=stages.base.stateless(lambda v, s, ctx: ops.clip_to_l2(v, 0.1)),
                           l2_bound=0.1)
@@ -173,6 +176,9 @@ def test_a_stage_that_lies_about_its_bound_or_its_lipschitz_factor_is_caught():
     # the same lie by a per-example stage after the clip: declares it halves, passes through
     shrink = stages.Stage(name="broken.half", kind_in=K.BOUNDED, kind_out=K.BOUNDED,
                           make=stages.base.stateless(lambda v, s, ctx: v), lipschitz=0.5)
-    with pytest.raises(StageCheckError, match="'broken.half' fails the 'bound' check"):
+    with pytest.raises(StageCheckError, match="'broken.half' fails the 'bound' check") as e:
         check_bound(harness_for(shrink))
+    # the researcher learns that the Lipschitz factor is the lie, and the least honest value
+    assert "declared Lipschitz factor 0.5" in str(e.value)
+    assert re.search(r"declare lipschitz >= (1|1\.0\d*|0\.99\d*)[ :]", str(e.value))
     check_bound(harness_for(dataclasses.replace(shrink, lipschitz=1.0)))

@@ -112,11 +112,26 @@ def _search_paths() -> list[Path]:
     return [Path.cwd(), REPO_ROOT]
 
 
-def _from_gin_package_reader(error: BaseException) -> bool:
-    """Whether ``error`` was raised inside gin's package-path file reader."""
-    import traceback
-    return any(Path(frame.filename).parts[-2:] == ("gin", "resource_reader.py")
-               for frame in traceback.extract_tb(error.__traceback__))
+def _package_file_exists(config_path: str) -> bool:
+    """gin's package-path existence check, except that a namespace package (a folder such as
+    ``pipelines/`` importable because the repository root is on sys.path) holds no file: gin
+    fails on its missing file location with a TypeError instead of trying the next search
+    path, so an include that exists under another search path would be reported missing."""
+    from gin import resource_reader
+    try:
+        return resource_reader.system_path_file_exists(config_path)
+    except TypeError:
+        return False
+
+
+def _guard_gin_package_reader() -> None:
+    """Swap gin's package-path check for :func:`_package_file_exists` (gin has no public way
+    to replace a registered reader; its reader list is private)."""
+    from gin import resource_reader
+    readers = gin.config._FILE_READERS  # noqa: SLF001
+    for i, (reader, exists) in enumerate(readers):
+        if exists is resource_reader.system_path_file_exists:
+            readers[i] = (reader, _package_file_exists)
 
 
 def parse_config(gin_files: Sequence[str], gin_bindings: Sequence[str]) -> None:
@@ -130,6 +145,7 @@ def parse_config(gin_files: Sequence[str], gin_bindings: Sequence[str]) -> None:
     with the list of known stages, so a typo says what the valid names are.
     """
     gin.clear_config()
+    _guard_gin_package_reader()
     for path in map(str, _search_paths()):
         if path not in gin.config._LOCATION_PREFIXES:  # noqa: SLF001 (gin has no getter)
             gin.add_config_file_search_path(path)
@@ -154,16 +170,5 @@ def parse_config(gin_files: Sequence[str], gin_bindings: Sequence[str]) -> None:
         raise ConfigError(f"gin configuration error: {e}\nknown stages: "
                           f"{', '.join(registered_stage_names())}; check the spelling of "
                           "configurable and parameter names") from e
-    except TypeError as e:
-        if not _from_gin_package_reader(e):
-            raise
-        # gin's last reader looks an include up as a file inside a Python package; a folder
-        # that imports as a namespace package (pipelines/ from the repository root, the cwd
-        # being importable) has no file location, and gin fails on it with a TypeError
-        # instead of its "Unable to open file". The file is missing all the same.
-        where = str(e).partition("\n")[2]  # gin's "In file ..., line N" and the include
-        searched = list(dict.fromkeys(str(p) for p in _search_paths()))
-        raise ConfigError(f"gin configuration error: Unable to open the file this include "
-                          f"names (searched {searched}); check its path\n{where}") from e
     finally:
         root_logger.removeFilter(_drop_gin_search_misses)

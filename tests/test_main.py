@@ -198,6 +198,24 @@ def test_a_missing_include_exits_2_naming_the_file_for_train_and_audit(where, tm
     assert not (tmp_path / "run").exists()
 
 
+def test_an_include_that_exists_is_found_when_the_repository_is_importable(tmp_path,
+                                                                             monkeypatch):
+    """The repository root on sys.path (PYTHONPATH=<checkout>, or `python -m` from the root)
+    makes `pipelines/` an importable namespace package: gin's package-path reader crashed on
+    it before looking in the next search path, so an include of a file that exists was
+    reported missing. From any other folder, the include is found."""
+    import gin
+    (tmp_path / "mine.gin").write_text("include 'pipelines/rs/pipeline.gin'\n"
+                                       "include 'gin/data/digits.gin'\n")
+    monkeypatch.syspath_prepend(str(REPO_ROOT))
+    monkeypatch.chdir(tmp_path)
+    config.parse_config(["mine.gin"], [])
+    assert gin.query_parameter("pipeline.name") == "rs"
+    (tmp_path / "broken.gin").write_text("include 'pipelines/no_such_method.gin'\n")
+    with pytest.raises(config.ConfigError, match="pipelines/no_such_method.gin"):
+        config.parse_config(["broken.gin"], [])
+
+
 def test_ctrl_c_says_how_to_resume_instead_of_a_traceback(tmp_path):
     """SIGINT (Ctrl-C) in the middle of training: exit 130 with one line saying how to go on
     (the same command resumes from the last checkpoint), not a KeyboardInterrupt traceback."""

@@ -193,7 +193,7 @@ def _describe_mechanism(m: dict) -> str:
 def privacy_statement(*, epsilon: float, delta: float, mechanisms: list, sampler: dict,
                       steps: int, accountant: str, accountant_version: str,
                       accountant_settings: dict, accounting_note: str,
-                      not_covered: list, inputs: list = ()) -> dict:
+                      not_covered: list, inputs: list = (), outside_stages: list = ()) -> dict:
     """The claim a run makes, generated from its privacy ledger.
 
     ``mechanisms`` are the ledger's lines as plain dicts (``mechanism_fields``): the statement
@@ -202,7 +202,9 @@ def privacy_statement(*, epsilon: float, delta: float, mechanisms: list, sampler
     touched that the epsilon does NOT protect (validation split, public split, tuning,
     non-private diagnostics, ...); ``inputs`` lists, the same way, what is done to each
     example before the model's first learned layer (feature transforms, per-example
-    normalization) and why it costs nothing.
+    normalization) and why it costs nothing; ``outside_stages`` lists the stages that are not
+    dpbench's own (``stage_sources`` with the checks they passed): the epsilon rests on their
+    declarations, which dpbench checks on synthetic data but cannot prove.
     """
     poisson = sampler.get("poisson_accounted", False)
     text = (f"({epsilon:.6g}, {delta:g})-DP under add/remove-one-example adjacency for the "
@@ -214,6 +216,12 @@ def privacy_statement(*, epsilon: float, delta: float, mechanisms: list, sampler
     if inputs:
         text += " Inputs, at no privacy cost: " + "; ".join(
             f"{item['what']} ({item['why']})" for item in inputs) + "."
+    if outside_stages:
+        text += (" Stages from outside dpbench: " + "; ".join(
+            f"{s['stage']} (module {s['module']}, file sha256 {s['sha256'][:12]}, checked on "
+            f"synthetic data: {', '.join(s.get('checks_passed', [])) or 'no check'})"
+            for s in outside_stages) + "; this epsilon holds only if their declared privacy "
+            "facts hold, which those checks test but do not prove.")
     if not poisson:
         text += (" WARNING: batches were shuffled fixed-size batches; the epsilon above is the "
                  "Poisson-sampling epsilon and does NOT hold for this run.")
@@ -227,4 +235,4 @@ def privacy_statement(*, epsilon: float, delta: float, mechanisms: list, sampler
                 poisson_accounted=poisson, padded_batch_size=sampler.get("padded_batch_size"),
                 truncated_poisson=sampler.get("truncated", False),
                 mechanisms=list(mechanisms), not_covered=list(not_covered),
-                inputs=list(inputs), statement=text)
+                inputs=list(inputs), outside_stages=list(outside_stages), statement=text)

@@ -51,7 +51,7 @@ def not_covered(dataset: data.Dataset, config: TrainConfig) -> list:
 
 
 def privacy_statement(run: Run, budget, config: TrainConfig, end_step: int,
-                       epsilon: float) -> dict:
+                      epsilon: float, outside_stages: list = ()) -> dict:
     compiled, n = run.compiled, len(run.dataset.train)
     return records.privacy_statement(
         epsilon=epsilon, delta=budget.delta,
@@ -61,7 +61,8 @@ def privacy_statement(run: Run, budget, config: TrainConfig, end_step: int,
         accountant=budget.accountant, accountant_version=accounting.accountant_version(),
         accountant_settings=accounting.accountant_settings(budget),
         accounting_note=accounting.accounting_note(compiled.run_event(end_step), budget),
-        not_covered=not_covered(run.dataset, config), inputs=list(run.inputs))
+        not_covered=not_covered(run.dataset, config), inputs=list(run.inputs),
+        outside_stages=outside_stages)
 
 
 def fidelity_summary(config: TrainConfig, fidelity: dict) -> Optional[dict]:

@@ -320,9 +320,7 @@ def train(workdir: str | Path, config: Optional[TrainConfig] = None,
         logging.info("the checkpoint at step %d already holds the whole run", end_step)
     ckpts.close()
     record = _run_record(loop, state, progress, pipeline_name, gin_files, budget, end_step,
-                         stop_reason)
-    for source in record["stage_sources"]:  # what dpbench verified of each outside stage
-        source["checks_passed"] = verified[source["stage"]]
+                         stop_reason, verified)
     records.atomic_write_text(workdir / "operative_config.gin", gin.operative_config_str())
     records.atomic_write_text(workdir / records.RECORD_NAME, records.to_json(record))
     logging.info("done: test accuracy %.4f (best validation %s at step %d), epsilon %.4f",
@@ -334,13 +332,16 @@ def train(workdir: str | Path, config: Optional[TrainConfig] = None,
 
 
 def _run_record(loop: _Loop, state, progress: Progress, pipeline_name: str, gin_files,
-                budget, end_step: int, stop_reason: str) -> dict:
-    """The run record: settings, privacy statement, accuracies, timings, versions."""
+                budget, end_step: int, stop_reason: str, verified: dict) -> dict:
+    """The run record: settings, privacy statement, accuracies, timings, versions;
+    ``verified`` maps each outside stage to the checks it passed before training."""
     run, config = loop.run, loop.config
     compiled, dataset, best = run.compiled, run.dataset, progress.best
     test_acc = _evaluate(loop.eval_fn, best["params"], dataset.test, config.eval_batch_size)
     epsilon = compiled.epsilon_after(end_step)
     steady = progress.interval_step_s[1:] or progress.interval_step_s  # first holds compile
+    sources = [dict(source, checks_passed=verified[source["stage"]])  # what dpbench verified
+               for source in records.stage_sources(s.name for s in compiled.plan.stages)]
     return dict(
         pipeline=pipeline_name, gin_files=list(gin_files), stages=compiled.plan.facts(),
         dataset=dataset.name, features=dataset.features, model=run.model_name,
@@ -367,9 +368,10 @@ def _run_record(loop: _Loop, state, progress: Progress, pipeline_name: str, gin_
         median_step_s=float(np.median(steady)) if steady else None,
         versions=records.versions(), git_commit=records.git_commit(),
         git_dirty=records.git_dirty(),
-        stage_sources=records.stage_sources(s.name for s in compiled.plan.stages),
+        stage_sources=sources,
         devices=[str(d) for d in run.mesh.devices.flat],
-        privacy_statement=run_record.privacy_statement(run, budget, config, end_step, epsilon),
+        privacy_statement=run_record.privacy_statement(run, budget, config, end_step, epsilon,
+                                                       sources),
         non_private_outputs=["train_loss, update_norm and nonfinite_examples in metrics.jsonl "
                              "are diagnostics computed from private batches; they are not "
                              "released by the accounted mechanism"] + (

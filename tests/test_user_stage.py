@@ -75,6 +75,14 @@ def test_a_users_own_stage_trains_and_a_misdeclared_one_is_rejected(tmp_path):
         sha256=hashlib.sha256(module.read_bytes()).hexdigest(),
         checks_passed=["jit", "bound", "state"])]  # verified before training
     assert isinstance(record["git_dirty"], bool)
+    # the statement's sentence, the one a reader quotes, names the outside stage too: its
+    # epsilon rests on that stage's declaration, which dpbench checked but cannot prove
+    statement = record["privacy_statement"]
+    assert "user.scale (module user_stages" in statement["statement"]
+    assert "checked on synthetic data: jit, bound, state" in statement["statement"]
+    assert statement["outside_stages"] == record["stage_sources"]
+    # the stage check's own calibration is quiet: no dp_accounting convergence warnings
+    assert "failed to converge" not in good.stderr
     bad = _dpbench(tmp_path, GIN.format(extra="", late="@user.peek(), "), "bad")
     assert bad.returncode == 2
     assert "stage #2 'user.peek' reads the private aggregate" in bad.stderr

@@ -288,9 +288,19 @@ def define_flags() -> None:
         return
     flags.DEFINE_integer("trials", 2000, "One-step runs (half with the canary).")
     flags.DEFINE_float("claimed_epsilon", 3.0, "The audited step's target epsilon.")
-    flags.DEFINE_float("audit_delta", 1e-5, "Delta of the claim and of the bound.")
+    flags.DEFINE_float("audit_delta", None, "Delta of the claim and of the bound (default: "
+                       "the config's budget.delta, e.g. DELTA in gin/data/digits.gin).")
     flags.DEFINE_integer("audit_seed", 0, "Seed of the audit's data, keys and assignment.")
     flags.DEFINE_string("out", None, "Write the audit report (JSON) here.")
+
+
+def _configured_delta() -> float:
+    """The parsed config's budget.delta: the audit claims the delta the run would claim."""
+    try:
+        return accounting.Budget(epsilon=FLAGS.claimed_epsilon).delta
+    except (TypeError, RuntimeError, ValueError) as e:  # gin: budget.delta left unbound
+        raise config.ConfigError(f"the config binds no budget.delta ({e}); bind it (e.g. "
+                                 "--gin_bindings='DELTA = 1e-5') or give --audit_delta") from e
 
 
 def audit_main(argv) -> None:
@@ -304,7 +314,8 @@ def audit_main(argv) -> None:
         config.parse_config(FLAGS.gin_file, list(FLAGS.gin_bindings) + list(AUDIT_BINDINGS))
         name, stages = config.pipeline_stages()
         result = run_audit(stages, claimed_epsilon=FLAGS.claimed_epsilon,
-                           delta=FLAGS.audit_delta, trials=FLAGS.trials, seed=FLAGS.audit_seed)
+                           delta=_configured_delta() if FLAGS.audit_delta is None
+                           else FLAGS.audit_delta, trials=FLAGS.trials, seed=FLAGS.audit_seed)
     except (config.ConfigError, compiler.PipelineError, accounting.BudgetError, ValueError) as e:
         print(f"dpbench: error: {e}", file=sys.stderr)
         sys.exit(2)

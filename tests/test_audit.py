@@ -103,11 +103,12 @@ def test_cli_audits_dpsgd_and_writes_a_report(tmp_path):
     out = tmp_path / "audit.json"
     proc = run_guarded(
         [sys.executable, "-c", "from dpbench.main import run; run()", "audit",
-         "--gin_file=pipelines/dpsgd/pipeline.gin", "--trials=1000", "--claimed_epsilon=3.0",
-         f"--out={out}"], cwd=REPO_ROOT)
+         "--gin_file=pipelines/dpsgd/pipeline.gin", "--gin_file=gin/data/digits.gin",
+         "--trials=1000", "--claimed_epsilon=3.0", f"--out={out}"], cwd=REPO_ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(out.read_text())
     assert report["pipeline"] == "dpsgd" and not report["flagged"], report
+    assert report["delta"] == 1e-4  # the config's delta (digits' DELTA), not a flag default
     assert 0 <= report["epsilon_lb"] <= report["claimed_epsilon"] < 3.0 + 1e-9
     # the canary shift is the clip bound and the noise std is sigma * C (within 10%)
     assert report["mean_shift"] == pytest.approx(0.1, rel=0.1)
@@ -147,7 +148,8 @@ def test_cli_exits_non_zero_when_the_audit_flags_and_still_writes_the_report(tmp
     proc = run_guarded(
         [sys.executable, "-c", "from dpbench.main import run; run()", "audit",
          f"--gin_file={tmp_path / 'half_noise.gin'}", "--trials=1000",
-         "--claimed_epsilon=3.0", f"--out={out}"], cwd=REPO_ROOT)
+         "--claimed_epsilon=3.0", "--audit_delta=1e-6", f"--out={out}"], cwd=REPO_ROOT)
     assert proc.returncode == 1, (proc.returncode, proc.stderr[-3000:])
     assert "FLAGGED" in proc.stderr and "dpbench: audit of dpsgd" in proc.stderr
-    assert json.loads(out.read_text())["flagged"] is True
+    report = json.loads(out.read_text())
+    assert report["flagged"] is True and report["delta"] == 1e-6  # the flag overrides

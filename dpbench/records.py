@@ -193,7 +193,8 @@ def _describe_mechanism(m: dict) -> str:
 def privacy_statement(*, epsilon: float, delta: float, mechanisms: list, sampler: dict,
                       steps: int, accountant: str, accountant_version: str,
                       accountant_settings: dict, accounting_note: str,
-                      not_covered: list, inputs: list = (), outside_stages: list = ()) -> dict:
+                      not_covered: list, inputs: list = (), outside_stages: list = (),
+                      seed_secret: bool = False) -> dict:
     """The claim a run makes, generated from its privacy ledger.
 
     ``mechanisms`` are the ledger's lines as plain dicts (``mechanism_fields``): the statement
@@ -204,7 +205,8 @@ def privacy_statement(*, epsilon: float, delta: float, mechanisms: list, sampler
     example before the model's first learned layer (feature transforms, per-example
     normalization) and why it costs nothing; ``outside_stages`` lists the stages that are not
     dpbench's own (``stage_sources`` with the checks they passed): the epsilon rests on their
-    declarations, which dpbench checks on synthetic data but cannot prove.
+    declarations, which dpbench checks on synthetic data but cannot prove; ``seed_secret``: the
+    run drew its seed from OS entropy and wrote it nowhere (``train.seed = None``).
     """
     poisson = sampler.get("poisson_accounted", False)
     text = (f"({epsilon:.6g}, {delta:g})-DP under add/remove-one-example adjacency for the "
@@ -216,6 +218,10 @@ def privacy_statement(*, epsilon: float, delta: float, mechanisms: list, sampler
     if inputs:
         text += " Inputs, at no privacy cost: " + "; ".join(
             f"{item['what']} ({item['why']})" for item in inputs) + "."
+    if seed_secret:
+        text += (" The run's randomness (initialisation, batches, noise) came from a seed drawn "
+                 "from the operating system's entropy, written to no file: not to this record, "
+                 "its checkpoints or its logs.")
     if outside_stages:
         text += (" Stages from outside dpbench: " + "; ".join(
             f"{s['stage']} (module {s['module']}, file sha256 {s['sha256'][:12]}, checked on "
@@ -235,4 +241,5 @@ def privacy_statement(*, epsilon: float, delta: float, mechanisms: list, sampler
                 poisson_accounted=poisson, padded_batch_size=sampler.get("padded_batch_size"),
                 truncated_poisson=sampler.get("truncated", False),
                 mechanisms=list(mechanisms), not_covered=list(not_covered),
-                inputs=list(inputs), outside_stages=list(outside_stages), statement=text)
+                inputs=list(inputs), outside_stages=list(outside_stages),
+                seed_secret=seed_secret, statement=text)

@@ -62,7 +62,7 @@ def privacy_statement(run: Run, budget, config: TrainConfig, end_step: int,
         accountant_settings=accounting.accountant_settings(budget),
         accounting_note=accounting.accounting_note(compiled.run_event(end_step), budget),
         not_covered=not_covered(run.dataset, config), inputs=list(run.inputs),
-        outside_stages=outside_stages)
+        outside_stages=outside_stages, seed_secret=config.seed is None)
 
 
 def fidelity_summary(config: TrainConfig, fidelity: dict) -> Optional[dict]:

@@ -34,24 +34,39 @@ def support_events(tasks, workers: int) -> list:
         return list(pool.map(support_event, *zip(*tasks)))
 
 
+def secret_generator():
+    """A generator seeded from the operating system's entropy, never from a recorded seed: a
+    secret search's J and its random trials come from one."""
+    import numpy as np
+    return np.random.default_rng()
+
+
+def secret_num_random(trials: dict, rng=None) -> tuple[dict, int]:
+    """(the law, J) of a secret search: J drawn from the deployment's law (tuning.secret_law)
+    with ``rng`` (a fresh :func:`secret_generator` when None)."""
+    law = tuning.secret_law(trials)
+    rng = secret_generator() if rng is None else rng
+    return law, tuning.sample_trial_count(rng, float(law["mean_random"]), tuning.shape_of(law))
+
+
 def plan_group(protocol: dict, family: str, epsilon: float, methods, workers: int = 1,
-               secret_rng=None) -> dict:
-    """What search.json holds for one group (trial bindings and the support's events). With
-    ``secret_rng`` (a secret search): J from the deployment's law and i.i.d. draws, both from
-    that generator (OS entropy), never from the protocol's public seed."""
+               secret: bool = False) -> dict:
+    """What search.json holds for one group (trial bindings and the support's events). A
+    ``secret`` search draws J from the deployment's law and its trials i.i.d., both from OS
+    entropy (never from the protocol's public seed), and its trials train with ``train.seed =
+    None`` (seeds [None]): each run draws its own seed from the OS and writes it nowhere."""
     group = tuning.group_name(family, epsilon, protocol["delta"])
     protocol = tuning.at_epsilon(protocol, epsilon)
     spec = protocol["families"][family]
-    if secret_rng is None:
+    secret_rng = secret_generator() if secret else None
+    if secret:
+        law, num_random = secret_num_random(protocol["trials"], secret_rng)
+    else:
         law = dict(protocol["trials"])
         num_random = tuning.draw_random_trials(law, group)
-    else:
-        law = tuning.secret_law(protocol["trials"])
-        num_random = tuning.sample_trial_count(secret_rng, float(law["mean_random"]),
-                                               tuning.shape_of(law))
     plan = dict(group=group, family=family, epsilon=float(epsilon), delta=protocol["delta"],
                 trials_law=law, num_random=num_random,
-                num_trials=1 + num_random, seeds=list(protocol["seeds"]),
+                num_trials=1 + num_random, seeds=[None] if secret else list(protocol["seeds"]),
                 family_spec=spec, methods={})
     budget_bindings = [f"EPSILON = {float(epsilon)}", f"DELTA = {protocol['delta']!r}"]
     tasks = []

@@ -3,7 +3,10 @@ it, for a deployment rather than a board.
 
 J comes from the protocol's law (a fixed K's ``trials.deployment``) drawn with OS entropy, the
 random trials are drawn i.i.d. (never the board's public, paired sequence: a configuration must
-not name its trial's index), and the plan, every trial and its record stay under
+not name its trial's index), every trial trains with ``train.seed = None`` (its initialisation,
+batches and noise from a seed the run draws from OS entropy and writes to no file: Papernot and
+Steinke's bound needs independent runs whose randomness nobody can regenerate), and the plan,
+every trial and its record stay under
 ``<runs_dir>/secret/``. Only each method's winner leaves: its run record and ``release.json``
 (the Papernot-Steinke epsilon of releasing it, recomputed from the records' own events), under a
 name without its trial index. No retrains: each would be a further release.
@@ -36,9 +39,7 @@ def prepare_secret(protocol: dict, family: str, epsilon: float, methods, private
                 f"{path}: this secret search runs {sorted(plan['methods'])}; rerun with "
                 "exactly those --methods (a new set of methods needs a new --runs_dir)")
         return plan
-    import numpy as np
-    plan = plan_group(protocol, family, epsilon, methods, workers,
-                      secret_rng=np.random.default_rng())  # fresh OS entropy
+    plan = plan_group(protocol, family, epsilon, methods, workers, secret=True)
     records_lib.atomic_write_text(path, json.dumps(plan, indent=1) + "\n")
     return plan
 
@@ -67,6 +68,8 @@ def publish_selected(plans, private_records: Path, records: Path) -> list:
                 delta=plan["delta"], law=dict(shape=law["shape"],
                                               mean_random=law["mean_random"]),
                 epsilon=s["search_epsilon"],
+                seed=("secret: the run drew its seed from the operating system's entropy and "
+                      "wrote it to no file (its record's seed is null)"),
                 statement=(
                     f"({s['search_epsilon']:.4g}, {plan['delta']:g})-DP for this one released "
                     "model, its configuration and its validation accuracy: the best on "
@@ -75,8 +78,9 @@ def publish_selected(plans, private_records: Path, records: Path) -> list:
                     f"{'Poisson' if tuning.shape_of(law) == float('inf') else 'TNB'}"
                     f"(mean {law['mean_random']}, shape {law['shape']}) drawn from OS entropy "
                     "and kept secret with every other trial (Papernot & Steinke, ICLR 2022; "
-                    "dp_accounting's RepeatAndSelectDpEvent). Releasing anything else of the "
-                    "search voids it."))
+                    "dp_accounting's RepeatAndSelectDpEvent). Every trial drew its own seed "
+                    "(initialisation, batches, noise) from OS entropy, and no file holds it. "
+                    "Releasing anything else of the search voids it."))
             records_lib.atomic_write_text(target / records_lib.RECORD_NAME,
                                           (source / records_lib.RECORD_NAME).read_text())
             records_lib.atomic_write_text(target / RELEASE, json.dumps(release, indent=1) + "\n")

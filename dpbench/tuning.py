@@ -241,9 +241,10 @@ class SearchIncomplete(SearchRecordError):
     """A search still running: some of its runs are not published yet."""
 
 
-def run_dir_name(method: str, trial: int, seed: int) -> str:
-    """The directory of one published run of a search (and of its workdir)."""
-    return f"{method}-t{trial}-seed{seed}"
+def run_dir_name(method: str, trial: int, seed) -> str:
+    """The directory of one published run of a search (and of its workdir); a secret search's
+    trial (seed None: drawn from OS entropy inside the run, written nowhere) is 'seedsecret'."""
+    return f"{method}-t{trial}-seed{'secret' if seed is None else seed}"
 
 
 def trial_outcome(group_dir: Path, method: str, trial: int, seed: int):

@@ -578,64 +578,159 @@ def test_a_failed_trial_says_whether_a_rerun_can_help():
     assert "rerun the same command" in sweep.retry_advice(crashed)
 
 
-def test_a_secret_search_publishes_only_each_winner_with_its_papernot_steinke_epsilon(
-        tmp_path):
-    """--secret_trial_count: J and the trials stay under --runs_dir/secret; the records get one
-    run per method (the winner's, under a name without its trial index) and release.json, whose
-    epsilon is dp_accounting's RepeatAndSelectDpEvent after trial 0 for the deployment's law. A
-    rerun reuses the secret plan (drawing J again would void the bound)."""
+# Loaded first by every Python process that has its folder on PYTHONPATH: logs each seed a
+# run draws from the OS (secrets.randbits, dpbench.run's only source) to a file OUTSIDE the
+# records and runs folders, so the test can look for it in every file they hold.
+SEED_LOGGER = """
+import os, secrets
+_draw = secrets.randbits
+def randbits(k):
+    value = _draw(k)
+    with open(os.environ["DPBENCH_TEST_SEED_LOG"], "a") as log:
+        log.write(f"{value}\\n")
+    return value
+secrets.randbits = randbits
+"""
+
+
+def _secret_search(root, protocol, seed_log) -> tuple:
+    """One secret search of ``protocol`` under ``root`` (runs/, records/), its trials run one
+    after another as run_secret's Tune phase runs them, each job in a JAX-free process.
+    Returns (the private group folder, the published group folder)."""
+    root.mkdir()
+    (root / "protocol.json").write_text(json.dumps(protocol))
+    args = sweep._parser().parse_args(sweep_command(root)[3:] + ["--secret_trial_count"])
+    assert sweep.main([*sweep_command(root)[3:], "--secret_trial_count",
+                       "--prepare_only"]) == 0  # the plan, drawn in secret; nothing published
+    assert not (root / "records").exists()
+    private = root / "runs" / "secret"
+    plans = [json.loads((private / "records" / GROUP / sweep.SEARCH_FILE).read_text())]
+    inside = argparse.Namespace(**{**vars(args), "records": private / "records"})
+    hook = root.parent / "seed_logger"
+    hook.mkdir(exist_ok=True)
+    (hook / "sitecustomize.py").write_text(SEED_LOGGER)
+    env = dict(os.environ, DPBENCH_TEST_SEED_LOG=str(seed_log),
+               PYTHONPATH=os.pathsep.join([str(hook), os.environ.get("PYTHONPATH", "")]))
+    for job in sweep._jobs(plans, "search", inside):
+        done = run_guarded([sys.executable, "-c", "import json, sys; from dpbench import sweep; "
+                            "sweep.run_job(json.loads(sys.argv[1]))", json.dumps(job)],
+                           cwd=config.REPO_ROOT, env=env)
+        assert done.returncode == 0, done.stderr[-3000:]
+    sweep_secret.publish_selected(plans, private / "records", root / "records")
+    return private / "records" / GROUP, root / "records" / GROUP
+
+
+def _holds(path, seed: int) -> bool:
+    """Whether a file holds ``seed`` (63 bits, from the OS) or a key derived from it: as a
+    decimal number, its 8 bytes, or one of the four derived 32-bit seeds as a decimal number
+    standing alone or a PRNG key's data [0, seed]. Chance matches: a given 19-digit number or
+    8-byte pattern in these few MB, < 1e-9."""
+    import re
+    import struct
+    data = path.read_bytes()
+    derived = np.random.SeedSequence(seed).generate_state(4)
+    size = max(8, (seed.bit_length() + 7) // 8)
+    if str(seed).encode() in data or seed.to_bytes(size, "little") in data or \
+            seed.to_bytes(size, "big") in data:
+        return True
+    for d in map(int, derived):  # run.build_run's keys, sampler and host seeds
+        if struct.pack("<II", 0, d) in data or re.search(
+                rb"(?<![\d.])" + str(d).encode() + rb"(?![\d.])", data):
+            return True
+    return False
+
+
+def test_a_secret_search_trains_on_secret_noise_and_publishes_only_each_winner(tmp_path):
+    """--secret_trial_count, run twice on digits (K 2): J and the trials stay under
+    --runs_dir/secret; the records get one run per method (the winner's, under a name without
+    its trial index) and release.json, whose epsilon is dp_accounting's RepeatAndSelectDpEvent
+    after trial 0 for the deployment's law. Every trial draws its seed from the OS: the two
+    searches' trial 0 (the same recipe) train on different noise, and no file under either
+    search's records or runs holds a seed that was drawn (a fixed seed, the old
+    train.seed = 0, gives byte-identical trial-0 models and fails). A rerun reuses the secret
+    plan (drawing J again would void the bound)."""
+    from dpbench import checkpoint, train
     protocol = json.loads(json.dumps(PROTOCOL))
     family = protocol["families"]["digits__logistic"]
     family["methods"] = {"dpsgd": family["methods"]["dpsgd"]}
     protocol["trials"] = {"fixed": 5, "seed": 7,  # the public board's K, not the secret one
                           "deployment": {"shape": 1, "mean_random": 1}}  # J = 1 surely
-    (tmp_path / "protocol.json").write_text(json.dumps(protocol))
-    args = sweep._parser().parse_args(sweep_command(tmp_path)[3:] + ["--secret_trial_count"])
-    assert sweep.main([*sweep_command(tmp_path)[3:], "--secret_trial_count",
-                       "--prepare_only"]) == 0  # the plan, drawn in secret; nothing published
-    assert not (tmp_path / "records").exists()
-    private = tmp_path / "runs" / "secret"
-    plans = [json.loads((private / "records" / GROUP / sweep.SEARCH_FILE).read_text())]
-    inside = argparse.Namespace(**{**vars(args), "records": private / "records"})
-    for job in sweep._jobs(plans, "search", inside):  # what run_secret's Tune phase runs,
-        done = run_guarded([sys.executable, "-c", "import json, sys; from dpbench import sweep; "
-                            "sweep.run_job(json.loads(sys.argv[1]))", json.dumps(job)],
-                           cwd=config.REPO_ROOT)  # in a JAX-free process
-        assert done.returncode == 0, done.stderr[-3000:]
-    sweep_secret.publish_selected(plans, private / "records", tmp_path / "records")
-    published = sorted(str(p.relative_to(tmp_path / "records"))
-                       for p in (tmp_path / "records").rglob("*") if p.is_file())
+    seed_log = tmp_path / "seeds.log"
+    searches = [_secret_search(tmp_path / name, protocol, seed_log) for name in ("a", "b")]
+    private, published_group = searches[0]
+    published = sorted(str(p.relative_to(tmp_path / "a" / "records"))
+                       for p in (tmp_path / "a" / "records").rglob("*") if p.is_file())
     assert published == [f"{GROUP}/dpsgd-selected/release.json",
                          f"{GROUP}/dpsgd-selected/run_record.json"]
     # the published run IS the winner on validation (byte for byte), not another trial
-    trials = {t: json.loads((private / "records" / GROUP / f"dpsgd-t{t}-seed0" /
-                             "run_record.json").read_text()) for t in (0, 1)}
+    trials = {t: json.loads((private / f"dpsgd-t{t}-seedsecret" / "run_record.json"
+                             ).read_text()) for t in (0, 1)}
     winner = max(trials, key=lambda t: (trials[t]["validation_accuracy"], -t))
-    assert tuning.search_summary(private / "records" / GROUP)["dpsgd"]["winner"] == winner
-    assert (tmp_path / "records" / GROUP / "dpsgd-selected" / "run_record.json").read_bytes() \
-        == (private / "records" / GROUP / f"dpsgd-t{winner}-seed0" / "run_record.json"
-            ).read_bytes()
-    plan_path = tmp_path / "runs" / "secret" / "records" / GROUP / sweep.SEARCH_FILE
+    assert tuning.search_summary(private)["dpsgd"]["winner"] == winner
+    released = published_group / "dpsgd-selected" / "run_record.json"
+    assert released.read_bytes() == (private / f"dpsgd-t{winner}-seedsecret" /
+                                     "run_record.json").read_bytes()
+    # secret noise: each search's trial 0 (the same bindings) trained on its own randomness
+    first = [json.loads((p / "dpsgd-t0-seedsecret" / "run_record.json").read_text())
+             for p, _ in searches]
+    assert first[0]["final_params_sha256"] != first[1]["final_params_sha256"]
+    seeds = [int(line) for line in seed_log.read_text().split()]
+    assert len(seeds) >= 4 and len(set(seeds)) == len(seeds)  # >= 1 draw per trial, all fresh
+    for root in (tmp_path / "a", tmp_path / "b"):
+        for path in [*(root / "records").rglob("*"), *(root / "runs").rglob("*")]:
+            if path.is_file():
+                assert not any(_holds(path, seed) for seed in seeds), path
+        # orbax compresses a checkpoint's arrays, so the bytes above cannot show its key:
+        # read it back (a release run saves a zero key; test_checkpoint has the seeded twin)
+        checkpoints = list((root / "runs").rglob(train.CHECKPOINTS))
+        assert len(checkpoints) == 2
+        for directory in checkpoints:
+            saved = checkpoint.load_saved(directory)
+            assert not saved["ledger"]["key_saved"] and np.all(saved["state"]["key"] == 0)
+    record = json.loads(released.read_text())
+    release = json.loads((published_group / "dpsgd-selected" / sweep_secret.RELEASE
+                          ).read_text())
+    assert record["seed"] is None and record["privacy_statement"]["seed_secret"] is True
+    assert "written to no file" in record["privacy_statement"]["statement"]
+    assert release["seed"].startswith("secret") and "no file holds it" in release["statement"]
+    plan_path = private / sweep.SEARCH_FILE
     plan = json.loads(plan_path.read_text())
     assert plan["num_trials"] == 2 and plan["trials_law"] == {"shape": 1, "mean_random": 1}
-    release = json.loads((tmp_path / "records" / GROUP / "dpsgd-selected" /
-                          sweep_secret.RELEASE).read_text())
-    record = json.loads((tmp_path / "records" / GROUP / "dpsgd-selected" /
-                         "run_record.json").read_text())
+    assert plan["seeds"] == [None]
     view, _ = accounting._rdp_view(accounting.event_from_json(record["dp_event"]))
     rdp = rdp_privacy_accountant.RdpAccountant()
     rdp.compose(dp_event.ComposedDpEvent([view, dp_event.RepeatAndSelectDpEvent(view, 1, 1)]))
     assert release["epsilon"] == pytest.approx(rdp.get_epsilon(1e-5), rel=1e-3)
     assert "num_trials" not in release and "kept secret" in release["statement"]
-    loaded = tuning.load_protocol(tmp_path / "protocol.json")
+    loaded = tuning.load_protocol(tmp_path / "a" / "protocol.json")
     again = sweep_secret.prepare_secret(loaded, "digits__logistic", 3.0, ["dpsgd"],
-                                 tmp_path / "runs" / "secret" / "records")
+                                        private.parent)
     assert again == plan and json.loads(plan_path.read_text()) == plan  # not drawn again
     with pytest.raises(tuning.ProtocolError, match="exactly those --methods"):
         sweep_secret.prepare_secret(loaded, "digits__logistic", 3.0, ["dpsgd", "rs"],
-                             tmp_path / "runs" / "secret" / "records")
+                                    private.parent)
     assert sweep_secret.into_board_reason(config.REPO_ROOT / "leaderboard" / "records")
     assert sweep_secret.into_board_reason(tmp_path / "records") is None
+
+
+def test_a_secret_searchs_trial_count_follows_the_deployment_law_over_searches():
+    """J of repeated secret searches (sweep_plan.secret_num_random, what plan_group draws)
+    follows the deployment's law: the chi-square of test_tuning passes at its 1e-5 level
+    (false failures <= 1.6e-5, simulated there), and a J drawn from a fixed seed (one value
+    over and over) is rejected by the same check."""
+    from dpbench import sweep_plan
+    from tests.test_tuning import trial_count_p_value
+    trials = {"fixed": 5, "seed": 7, "deployment": {"shape": 1, "mean_random": 5}}
+    draws = np.array([sweep_plan.secret_num_random(trials)[1] for _ in range(4000)])
+    assert trial_count_p_value(draws, 5.0, 1.0) > 1e-5
+    fixed = np.array([tuning.sample_trial_count(np.random.default_rng(7), 5.0, 1.0)
+                      for _ in range(4000)])
+    assert trial_count_p_value(fixed, 5.0, 1.0) < 1e-6
+    # and the trials: two secret draws of the same space differ (i.i.d. from OS entropy)
+    protocol = tuning.at_epsilon(json.loads(json.dumps(PROTOCOL)), 3.0)
+    a, b = (tuning.trial_bindings(protocol, "digits__logistic", GROUP, "dpsgd", 3,
+                                  rng=sweep_plan.secret_generator()) for _ in range(2))
+    assert a[0] == b[0] and a[1:] != b[1:]  # trial 0 is the recipe; the rest are drawn
 
 
 def _paired_board_records(finished_sweep, tmp_path, deployment=True):

@@ -83,34 +83,37 @@ def _trial_count_pmf(mean: float, shape: float, j_max: int) -> np.ndarray:
     return np.concatenate([[0.0], w[:j_max]]) / w.sum()
 
 
+def trial_count_p_value(draws, mean: float, shape: float, j_max: int = 12) -> float:
+    """The chi-square p-value of 4,000-ish draws of J against the law's probabilities (bins
+    0..j_max and the tail; bins expecting < 5 counts pooled into one)."""
+    n = len(draws)
+    pmf = _trial_count_pmf(mean, shape, j_max)  # bins 0..j_max; the rest is the tail bin
+    expected = np.append(pmf, 1.0 - pmf.sum()) * n
+    enough = expected >= 5
+    pooled = expected[~enough].sum()
+    counts = np.bincount(np.minimum(draws, j_max + 1), minlength=j_max + 2)
+    observed, want = counts[enough], expected[enough]
+    if pooled > 0:
+        observed, want = np.append(observed, counts[~enough].sum()), np.append(want, pooled)
+    elif counts[~enough].sum():  # a draw where the law puts no mass
+        return 0.0
+    return scipy.stats.chisquare(observed, want).pvalue
+
+
 @pytest.mark.parametrize("shape", SHAPES)
 def test_the_trial_count_follows_the_accounted_law_exactly(shape):
     """The search's epsilon holds for the exact law of J, not only its mean: a chi-square of
     4,000 draws against the law's probabilities (bins 0..12 and the tail) passes, and a law
     with the same mean but another shape (1 + Poisson(mean - 1)) is rejected by it."""
-    mean, n, j_max = 5.0, 4000, 12
-    pmf = _trial_count_pmf(mean, shape, j_max)  # bins 0..j_max; the rest is the tail bin
-    expected = np.append(pmf, 1.0 - pmf.sum()) * n
-    enough = expected >= 5  # the bins with too few expected counts are pooled into one
-    pooled = expected[~enough].sum()
-
-    def p_value(draws):
-        counts = np.bincount(np.minimum(draws, j_max + 1), minlength=j_max + 2)
-        observed, want = counts[enough], expected[enough]
-        if pooled > 0:
-            observed, want = np.append(observed, counts[~enough].sum()), np.append(want, pooled)
-        elif counts[~enough].sum():  # a draw where the law puts no mass
-            return 0.0
-        return scipy.stats.chisquare(observed, want).pvalue
-
+    mean, n = 5.0, 4000
     rng = np.random.default_rng()
     draws = np.array([tuning.sample_trial_count(rng, mean, shape) for _ in range(n)])
     assert draws.min() >= (0 if shape == math.inf else 1)
     # false failures (2e6 simulated multinomial draws per shape): 0.95e-5..1.6e-5 at this
     # 1e-5 (1.1e-4..1.4e-4 at 1e-4: bins of ~10 counts fatten the tail); the twin passes
     # < 1e-6 in ~1e-7 of runs (shape inf, 1e7 simulated; 0 at the other shapes)
-    assert p_value(draws) > 1e-5
-    assert p_value(1 + rng.poisson(mean - 1, n)) < 1e-6
+    assert trial_count_p_value(draws, mean, shape) > 1e-5
+    assert trial_count_p_value(1 + rng.poisson(mean - 1, n), mean, shape) < 1e-6
 
 
 def test_the_trial_count_is_one_draw_per_group_from_the_recorded_seed():

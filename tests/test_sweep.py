@@ -4,6 +4,7 @@ records, the search's epsilon recomputed from them, and the board built from the
 that needs a finished sweep reads that one (the module fixture), so the suite runs it once."""
 
 import argparse
+import hashlib
 import json
 import math
 import os
@@ -735,7 +736,8 @@ def test_a_secret_searchs_trial_count_follows_the_deployment_law_over_searches()
 
 def _paired_board_records(finished_sweep, tmp_path, deployment=True):
     """The tiny sweep's records with two more retrain seeds of each winner (copies of seed 1
-    with their seed and test accuracy changed): a finished paired group with 3 retrains."""
+    with their seed, trajectory hash and test accuracy changed): a finished paired group with
+    3 retrains."""
     records, group = copied_records(finished_sweep, tmp_path)
     plan = json.loads((group / sweep.SEARCH_FILE).read_text())
     plan["seeds"] = [0, 1, 2, 3]
@@ -748,7 +750,9 @@ def _paired_board_records(finished_sweep, tmp_path, deployment=True):
         seed1 = group / f"{method}-t{s['winner']}-seed1" / "run_record.json"
         for seed in (2, 3):
             record = json.loads(seed1.read_text())
-            record["seed"] = seed
+            record["seed"] = seed  # and a trajectory of its own (a copy is not a run)
+            record["final_params_sha256"] = hashlib.sha256(
+                f"{seed} {record['final_params_sha256']}".encode()).hexdigest()
             record["test_accuracy"] = float(np.clip(record["test_accuracy"]
                                                     + rng.normal(0, 0.01), 0, 1))
             target = group / f"{method}-t{s['winner']}-seed{seed}" / "run_record.json"
@@ -863,16 +867,25 @@ def test_a_deployment_without_an_rdp_bound_is_shown_with_its_reason(finished_swe
 
 def test_a_superseded_search_joins_its_methods_published_epsilon(finished_sweep, tmp_path):
     """A group whose space was revised after a first search: the board folder's board.json
-    names the superseded searches; each method's 'ε, all published' composes its runs there
-    with its group's (checked with dp_accounting's PLD accountant directly), a method without
-    any there keeps its epsilon, and the group's text says so."""
+    names the superseded searches; each method's 'ε, all published' composes its distinct runs
+    there with its group's (checked with dp_accounting's PLD accountant directly), a method
+    without any there keeps its epsilon, and the group's text says so. A run published twice
+    (a superseded run that the new search repeated byte for byte: the same
+    final_params_sha256) is one release and composes once: copies do not move the epsilon."""
     from dpbench import board
     from dpbench.board import paired
     records, group = _paired_board_records(finished_sweep, tmp_path)
     before = paired.analyse_group(group, {})["methods"]
     earlier = tmp_path / "superseded" / GROUP
-    for run in sorted(group.glob("dpsgd-*-seed*"))[:3]:  # 3 earlier runs of dpsgd
+    for run in sorted(group.glob("dpsgd-*-seed*"))[:3]:  # 3 earlier runs of dpsgd: copies
         shutil.copytree(run, earlier / run.name)
+    copied = paired.analyse_group(group, {}, superseded_dir=earlier)["methods"]
+    assert copied["dpsgd"]["published_epsilon"] == before["dpsgd"]["published_epsilon"]
+    assert copied["dpsgd"]["superseded_runs"] == 3 and copied["dpsgd"]["duplicate_runs"] == 3
+    for path in earlier.glob("*/run_record.json"):  # now 3 runs of their own trajectories
+        record = json.loads(path.read_text())
+        path.write_text(json.dumps(dict(record, final_params_sha256=hashlib.sha256(
+            f"earlier {record['final_params_sha256']}".encode()).hexdigest())))
     (tmp_path / board.INPUTS_FILE).write_text(json.dumps({"superseded": "superseded"}))
     assert board.main([f"--records={records}"]) == 0
     text = (tmp_path / "README.md").read_text()
@@ -880,6 +893,7 @@ def test_a_superseded_search_joins_its_methods_published_epsilon(finished_sweep,
     after = paired.analyse_group(group, {}, superseded_dir=earlier)["methods"]
     assert after[OTHER]["published_epsilon"] == before[OTHER]["published_epsilon"]
     assert after["dpsgd"]["superseded_runs"] == 3 and after[OTHER]["superseded_runs"] == 0
+    assert after["dpsgd"]["duplicate_runs"] == 0
     events = [json.loads(p.read_text())["dp_event"]
               for p in [*group.glob("dpsgd-*/run_record.json"),
                         *earlier.glob("*/run_record.json")]]
@@ -891,6 +905,11 @@ def test_a_superseded_search_joins_its_methods_published_epsilon(finished_sweep,
                                                                 rel=2e-2)
     assert after["dpsgd"]["published_epsilon"] > before["dpsgd"]["published_epsilon"] * 1.1
     assert _v3_row(text, OTHER)["ε, all published"] == f"{after[OTHER]['published_epsilon']:.3f}"
+    # a run listed twice composes once, wherever it was published
+    runs = paired.method_runs(group, json.loads((group / sweep.SEARCH_FILE).read_text()),
+                              "dpsgd", 0)["runs"]
+    assert paired.published_epsilon(runs + [runs[0]], 1e-5) == paired.published_epsilon(
+        runs, 1e-5)
 
 
 def test_a_diverged_trial_counts_in_everything_published_at_its_planned_event(
@@ -908,7 +927,7 @@ def test_a_diverged_trial_counts_in_everything_published_at_its_planned_event(
     for seed in (1, 2, 3):
         (group / f"{OTHER}-t0-seed{seed}").mkdir()
         (group / f"{OTHER}-t0-seed{seed}" / "run_record.json").write_text(json.dumps(
-            dict(recipe, seed=seed)))
+            dict(recipe, seed=seed, final_params_sha256=f"{seed}" * 64)))  # distinct runs
     shutil.rmtree(group / f"{OTHER}-t1-seed0")
     (group / f"{OTHER}-t1-seed0").mkdir()
     (group / f"{OTHER}-t1-seed0" / tuning.DIVERGED).write_text("{}")
@@ -924,7 +943,7 @@ def test_a_diverged_trial_counts_in_everything_published_at_its_planned_event(
                                                        accountant="pld"))
     pld.compose(dp_event.ComposedDpEvent([accounting.event_from_json(e) for e in events]))
     assert other["published_epsilon"] == pytest.approx(pld.get_epsilon(1e-5), rel=2e-2)
-    without = paired.published_epsilon([recipe["dp_event"]] * 4, 1e-5)
+    without = paired.published_epsilon([(str(s), recipe["dp_event"]) for s in range(4)], 1e-5)
     assert other["published_epsilon"] > without * 1.05  # the diverged run is not free
 
 

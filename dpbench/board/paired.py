@@ -11,7 +11,8 @@ What is read, per method (all from published records):
 - the winner's retrains on the other seeds: the reported accuracy and the seed part (seed 0, the
   selected seed, is left out: its accuracy is biased upward by the selection);
 - every run's DpEvent: the epsilon of everything the board publishes for the method (PLD
-  composition of the K trials and the retrains; ``tuning.published_epsilon``), beside the
+  composition of its distinct runs, the K trials and the retrains, each trajectory once, as if
+  each run had drawn fresh noise; ``published_epsilon``), beside the
   Papernot-Steinke epsilon of a deployment that keeps K secret (``tuning.search_summary``);
   a group whose space was revised after a first search (the board's ``superseded`` folder
   holds that search's runs) composes the method's superseded runs in too: the search that
@@ -58,11 +59,17 @@ def _outcome(group_dir: Path, method: str, trial: int, seed) -> dict | None:
     return record
 
 
+def _identity(record: dict, where: str) -> str:
+    """A run's trajectory: its final parameters' sha256 (two records with the same one are one
+    run published twice); a record without one is its own run."""
+    return record.get("final_params_sha256") or f"record:{where}"
+
+
 def method_runs(group_dir: Path, plan: dict, method: str, winner: int) -> dict:
     """validation/test of the K seed-0 trials (None: diverged), the winner's retrain test
-    accuracies, and the DpEvents of every published run: a trial that diverged counts at the
-    event search.json planned for it (it ran on private data, and that it diverged is
-    published)."""
+    accuracies, and every published run as (identity, DpEvent) (``_identity``): a trial that
+    diverged counts at the event search.json planned for it (it ran on private data, and that
+    it diverged is published)."""
     seeds = plan["seeds"]
     trials = [_outcome(group_dir, method, t, seeds[0]) for t in range(plan["num_trials"])]
     retrains = [_outcome(group_dir, method, winner, s) for s in seeds[1:]]
@@ -72,21 +79,47 @@ def method_runs(group_dir: Path, plan: dict, method: str, winner: int) -> dict:
     return dict(validation=[None if r is None else r["validation_accuracy"] for r in trials],
                 test=[None if r is None else r["test_accuracy"] for r in trials],
                 retrains=[r["test_accuracy"] for r in retrains],
-                events=[tuning.planned_event(plan, method, t) if r is None else r["dp_event"]
-                        for t, r in enumerate(trials)] + [r["dp_event"] for r in retrains])
+                runs=[(f"diverged:{method}-t{t}", tuning.planned_event(plan, method, t))
+                      if r is None else (_identity(r, f"{method}-t{t}"), r["dp_event"])
+                      for t, r in enumerate(trials)] + [
+                    (_identity(r, f"{method}-retrain{i}"), r["dp_event"])
+                    for i, r in enumerate(retrains)])
 
 
-def superseded_events(superseded_dir, method: str) -> list:
-    """The DpEvents of ``method``'s runs in a superseded search of the group (every published
-    run record under ``superseded_dir``, any trial and seed; none without the folder)."""
+def superseded_runs(superseded_dir, method: str) -> list:
+    """(identity, DpEvent) of ``method``'s runs in a superseded search of the group (every
+    published run record under ``superseded_dir``, any trial and seed; none without the
+    folder)."""
     if superseded_dir is None:
         return []
-    return [json.loads(p.read_text())["dp_event"] for p in
-            sorted(Path(superseded_dir).glob(f"{method}-t*-seed*/run_record.json"))]
+    out = []
+    for path in sorted(Path(superseded_dir).glob(f"{method}-t*-seed*/run_record.json")):
+        record = json.loads(path.read_text())
+        out.append((_identity(record, str(path)), record["dp_event"]))
+    return out
 
 
-def published_epsilon(events_json, delta: float) -> float:
-    return tuning.composition_epsilon(events_json, delta)
+def distinct_events(runs) -> list:
+    """The DpEvents of ``runs`` ((identity, event) pairs), each run once: one trajectory
+    published twice (the same final parameters, e.g. a superseded search's run that the new
+    search repeated byte for byte) is one release. Two records of one trajectory with
+    different events contradict each other and are refused."""
+    seen = {}
+    for identity, event in runs:
+        if identity in seen and seen[identity] != event:
+            raise tuning.SearchRecordError(
+                f"two records of the run {identity[:16]} state different DpEvents; one of "
+                "them is not what ran: remove it")
+        seen.setdefault(identity, event)
+    return list(seen.values())
+
+
+def published_epsilon(runs, delta: float) -> float:
+    """The PLD epsilon of everything published about a method: its distinct runs
+    (``distinct_events``) composed as independent mechanisms, i.e. as if each had drawn fresh
+    secret noise (a benchmark's seeded runs that share a seed share a noise stream, which
+    composition does not model; the board says so)."""
+    return tuning.composition_epsilon(distinct_events(runs), delta)
 
 
 JUNK_POINTS = 0.05  # a random trial this far (test accuracy) below its group's best is junk
@@ -151,12 +184,13 @@ def analyse_group(group_dir, claims: dict, baseline_best=None, draws: int = DRAW
     out = {}
     for method, s in summary.items():
         mine = runs[method]
-        earlier = superseded_events(superseded_dir, method)
+        earlier = superseded_runs(superseded_dir, method)
+        published = mine["runs"] + earlier
         row = dict(winner=s["winner"], num_trials=s["num_trials"],
                    retrains=mine["retrains"], mean=float(np.mean(mine["retrains"])),
-                   published_epsilon=published_epsilon(mine["events"] + earlier,
-                                                       plan["delta"]),
-                   superseded_runs=len(earlier),
+                   published_epsilon=published_epsilon(published, plan["delta"]),
+                   published_runs=published, superseded_runs=len(earlier),
+                   duplicate_runs=len(published) - len(distinct_events(published)),
                    deployment_epsilon=s.get("deployment_epsilon"),
                    deployment_note=s.get("deployment_note"),
                    claim=claims.get(method, {}),

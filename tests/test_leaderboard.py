@@ -281,6 +281,31 @@ def test_the_committed_board_is_what_its_committed_records_give(tmp_path, board_
         assert (committed / "plots" / plot.name).is_file()
 
 
+def test_the_committed_boards_verdicts_do_not_depend_on_the_bootstrap_seed():
+    """Board v3.1's acceptance: every verdict of the committed board, Holm-corrected over all
+    its comparisons, is the same on the board's Monte Carlo stream and on 5 others (a label
+    decides only beyond 3 Monte Carlo errors of its threshold; see uncertainty.MC_GUARD)."""
+    from tests.conftest import REPO_ROOT
+    from dpbench.board import paired
+    board_dir = REPO_ROOT / "leaderboard"
+    superseded = board_dir / json.loads((board_dir / board.INPUTS_FILE).read_text())[
+        "superseded"]
+    groups = sorted(p for p in (board_dir / "records").iterdir() if p.is_dir())
+    assert len(groups) == 4
+
+    def verdicts(seed):
+        analyses = [paired.analyse_group(
+            g, {}, superseded_dir=superseded / g.name if (superseded / g.name).is_dir()
+            else None, bootstrap_seed=seed) for g in groups]
+        paired.apply_holm(analyses)
+        return {(a["group"], m): r["verdict"] for a in analyses
+                for m, r in a["methods"].items() if "interval" in r}
+    board_verdicts = verdicts(0)
+    assert len(board_verdicts) == 28
+    for seed in range(1, 6):
+        assert verdicts(seed) == board_verdicts, seed
+
+
 def test_board_json_names_only_known_inputs_that_exist(tmp_path, capsys):
     """A board folder's board.json is read for every input not given on the command line; an
     unknown name or a missing path is refused before anything is written."""
@@ -420,6 +445,26 @@ def test_the_baseline_check_fires_on_a_weaker_dpsgd_row_and_only_then():
     assert baseline_check(level + np.array([-3e-4, 3e-4, -1e-4, 1e-4]), best)["status"] == "ok"
     assert baseline_check([0.826, 0.836, 0.831, 0.829], best)["status"] == "ok"
     assert baseline_check([0.82, 0.83], None)["status"] == "ok"
+
+
+def test_the_baseline_check_compares_with_another_configuration_never_the_rows_own():
+    """Board v3's vacuous check: the 'best recorded configuration' was the row's own (its
+    selected seed 0 included). Now: the row's own configuration is excluded, seed 0 of every
+    configuration is left out, and one configuration's seeds from two boards are not pooled."""
+    from dpbench.board.results import config_key
+    from dpbench.board.verdicts import best_recorded_baseline
+
+    def runs(lr, tests, board):
+        return [dict(r, _set=board) for r in _dpsgd_runs(lr, tests)]
+    own = runs(2.0, [0.95, 0.84, 0.84, 0.84], "v3")  # the row: the best, seed 0 the highest
+    other = runs(1.0, [0.99, 0.80, 0.81], "v3")  # its seed 0 would make it the best
+    earlier = runs(1.0, [0.10, 0.97], "v2")  # one seed besides 0: not a candidate alone
+    best = best_recorded_baseline(own + other + earlier, "fashion_mnist", "tanh_cnn", 1.0,
+                                  1e-5, exclude=("v3", config_key(own[1])))
+    assert best["label"] == "optimize.optax.learning_rate=1.0"
+    assert sorted(best["scores"]) == [0.80, 0.81]  # seeds 1-2 of v3 only: no seed 0, no v2
+    assert best_recorded_baseline(own, "fashion_mnist", "tanh_cnn", 1.0, 1e-5,
+                                  exclude=("v3", config_key(own[1]))) is None
 
 
 def _write_seed0_outcomes(group, outcomes: dict) -> None:

@@ -20,11 +20,12 @@ def _small_case(rng):
 
 
 def _exact_selection(val_a, test_a, val_b, test_b):
-    """Every one of the K^K paired resamples, equally likely (brute force)."""
+    """Every one of the (K-1)^(K-1) paired resamples, equally likely (brute force): trial 0
+    (the recipe) in each, the K - 1 random trials redrawn from trials 1..K-1."""
     k = len(val_a)
     out = []
-    for idx in itertools.product(range(k), repeat=k):
-        idx = np.asarray(idx)
+    for rest in itertools.product(range(1, k), repeat=k - 1):
+        idx = np.asarray((0,) + rest)
         wa = max(set(idx.tolist()), key=lambda t: (val_a[t], -t))
         wb = max(set(idx.tolist()), key=lambda t: (val_b[t], -t))
         out.append(test_b[wb] - test_a[wa])
@@ -54,18 +55,26 @@ def test_the_interval_matches_brute_force_on_a_small_case():
     assert abs(got["low"] - want[0]) < tolerance and abs(got["high"] - want[1]) < tolerance
 
 
-def test_resampling_is_paired_and_reselects_the_winner():
+def test_resampling_is_paired_keeps_trial_0_and_reselects_the_winner():
     """Trial 2 is both methods' best on validation; A's trial 2 tests badly. A resample
-    without trial 2 re-selects trial 1 for both: the selection part sees both outcomes."""
+    without trial 2 re-selects trial 1 for both: the selection part sees both outcomes.
+    Trial 0 (the recipe) is in every resample: it is part of every search."""
     val = [0.1, 0.5, 0.9]
     test_a, test_b = [0.6, 0.8, 0.5], [0.6, 0.8, 0.9]
     exact = _exact_selection(val, test_a, val, test_b)
     assert set(np.round(exact, 6)) == {0.0, 0.4}
-    draws = uncertainty.selection_draws(val, test_a, val, test_b, draws=20000,
-                                        rng=np.random.default_rng())
-    p_without_2 = (2 / 3) ** 3  # no index 2 among the 3 draws
-    # 4.6 binomial sds of 20,000 draws: false failures 3.4e-6 (scipy.stats.binom)
-    assert np.mean(np.isclose(draws, 0.0)) == pytest.approx(p_without_2, abs=0.015)
+    rng = np.random.default_rng()
+    draws = uncertainty.selection_draws(val, test_a, val, test_b, draws=20000, rng=rng)
+    p_without_2 = (1 / 2) ** 2  # no index 2 among the 2 redrawn random trials
+    # 4.6 binomial sds of 20,000 draws (0.014): false failures 4e-6 (scipy.stats.binom)
+    assert np.mean(np.isclose(draws, 0.0)) == pytest.approx(p_without_2, abs=0.014)
+    idx = uncertainty.resampled_trials(5, 1000, rng)
+    assert np.all(idx[:, 0] == 0) and np.all(idx[:, 1:] >= 1) and idx.max() == 4
+    # the recipe wins a resample where it is best on validation: never dropped
+    only_recipe = uncertainty.selection_draws([0.9, 0.1, 0.2], [0.7, 0.0, 0.0],
+                                              [0.9, 0.1, 0.2], [0.8, 0.0, 0.0], draws=500,
+                                              rng=rng)
+    assert np.allclose(only_recipe, 0.1)
 
 
 def test_a_diverged_trial_is_never_reselected():
@@ -75,10 +84,11 @@ def test_a_diverged_trial_is_never_reselected():
                                         rng=np.random.default_rng())
     assert np.all(draws < 0.5)  # neither 0.99 ever enters
     # and the resamples did happen and re-select: A's winner is trial 1 or 2 (0.5 / 0.6), B's
-    # trial 0 or 2 (0.7 / 0.6), so the gains 0.2, 0.1, 0.0 (and 0.0 via 2 vs 2) all occur
-    # (25/27 of resamples finish, each gain has >= 6/27: false failures < 1e-200)
-    assert len(draws) > 0.5 * 2000
-    assert {0.0, 0.1, 0.2} <= set(np.round(draws, 6).tolist())
+    # always its trial 0 (0.7, in every resample), so the gains 0.2 and 0.1 both occur (each
+    # in 1/4 or 3/4 of resamples: missing one of them, 0.75^2000 < 1e-200); every resample
+    # finishes (both redrawn trials are A's finished 1 or 2)
+    assert len(draws) == 2000
+    assert set(np.round(draws, 6).tolist()) == {0.1, 0.2}
 
 
 @pytest.mark.parametrize("seeds", [4, 2])
@@ -114,12 +124,74 @@ def test_welch_on_a_known_case():
     assert df == pytest.approx(1.25 ** 2 / (0.25 ** 2 + 1.0))
 
 
-def test_verdict_words_only_where_the_interval_excludes_zero():
-    assert uncertainty.verdict(dict(low=0.001, high=0.02)) == "better"
-    assert uncertainty.verdict(dict(low=-0.02, high=-0.001)) == "worse"
-    assert uncertainty.verdict(dict(low=-0.001, high=0.02)) == "tie"
+def test_labels_say_better_worse_equivalent_or_inconclusive():
+    cell = dict(gain=0.01, low=0.001, high=0.02, low90=0.003, high90=0.018)
+    assert uncertainty.label(cell, p_adjusted=0.01) == "better"
+    assert uncertainty.label(dict(cell, gain=-0.01), p_adjusted=0.01) == "worse"
+    # an interval excluding zero is not enough once corrected for the board's comparisons
+    assert uncertainty.label(cell, p_adjusted=0.2) == "inconclusive"
+    narrow = dict(gain=0.001, low=-0.008, high=0.009, low90=-0.006, high90=0.007)
+    assert uncertainty.label(narrow, p_adjusted=0.8) == "equivalent within ±1"
+    wide = dict(narrow, low90=-0.012)
+    assert uncertainty.label(wide, p_adjusted=0.8) == "inconclusive"
 
 
-def test_paired_win_rate_counts_ties_half_and_divergence_as_a_loss():
-    a, b = [0.5, 0.8, 0.7, None, 0.6], [0.4, 0.9, 0.7, 0.6, None]
-    assert uncertainty.paired_win_rate(a, b, [1, 2, 3, 4]) == pytest.approx((1 + 0.5 + 1 + 0) / 4)
+def test_holm_on_a_known_case():
+    """p = (0.01, 0.04, 0.03, 0.005), m = 4: sorted 0.005 x 4 = 0.02, 0.01 x 3 = 0.03,
+    0.03 x 2 = 0.06, 0.04 x 1 = 0.04 -> 0.06 (monotone)."""
+    got = uncertainty.holm({"a": 0.01, "b": 0.04, "c": 0.03, "d": 0.005})
+    assert got == pytest.approx({"d": 0.02, "a": 0.03, "c": 0.06, "b": 0.06})
+    assert uncertainty.holm({"x": 0.7, "y": 0.9}) == {"x": 1.0, "y": 1.0}
+
+
+def test_seed_variances_pool_only_when_bartlett_finds_them_homogeneous():
+    """Three methods' retrain seeds with one spread: pooled (df = sum(n - 1) = 9), and the
+    seed part's s.e. is the pooled s.d. x sqrt(1/n_a + 1/n_b); one method 20x as spread:
+    Bartlett rejects (p < 1e-6 here) and the seed part falls back to Welch. False failures:
+    Bartlett's p under equal variances is uniform, so the homogeneous case fails 5% of the
+    time at alpha 0.05 on random draws: the seeds below are fixed values, not random."""
+    a, b, c = [0.80, 0.81, 0.79, 0.80], [0.82, 0.83, 0.815, 0.825], [0.70, 0.71, 0.69, 0.70]
+    pooled = uncertainty.pooled_seed_variance([a, b, c])
+    assert pooled["pooled"] and pooled["df"] == 9 and pooled["bartlett_p"] > 0.5
+    want = (np.var(a, ddof=1) + np.var(b, ddof=1) + np.var(c, ddof=1)) / 3
+    assert pooled["variance"] == pytest.approx(want)
+    gain, se, df = uncertainty.seed_part(a, b, pooled)
+    assert (gain, se, df) == (pytest.approx(np.mean(b) - np.mean(a)),
+                              pytest.approx(np.sqrt(want * (1 / 4 + 1 / 4))), 9.0)
+    spread = [0.60, 0.90, 0.50, 0.95]
+    apart = uncertainty.pooled_seed_variance([a, b, spread])
+    assert not apart["pooled"] and apart["bartlett_p"] < 1e-3
+    assert uncertainty.seed_part(a, spread, apart) == uncertainty.welch(a, spread)
+
+
+def test_the_interval_reports_its_monte_carlo_error_p_value_and_detectable_gain():
+    """No selection spread, seed part normal-ish (df large): the p-value of 'no gain' is the
+    t law's two-sided tail at gain / s.e., the minimum detectable gain is (1.96 + 0.84) s.e.,
+    and the ends' Monte Carlo error shrinks like 1/sqrt(draws)."""
+    rng = np.random.default_rng()
+    a, b = np.full(50, 0.8), np.full(50, 0.8)
+    a[::2], b[::2] = 0.79, 0.812  # s.d. ~0.005 each, gain 0.001; Welch df ~98
+    gain, se, df = uncertainty.welch(a, b)
+    got = uncertainty.gain_interval(a, b, np.zeros(100_000), 0.0, rng=rng)
+    want_p = 2 * scipy.stats.t.sf(abs(gain) / se, df)
+    # 100,000 draws: the p-value's binomial sd is <= 0.0016; 5 sds: false failures 6e-7
+    assert got["p_value"] == pytest.approx(want_p, abs=0.008)
+    sd = np.sqrt(df / (df - 2)) * se  # the t law's s.d.
+    # the sample s.d. of 100,000 draws of a t_98 law: relative sd ~0.0023; 2% is 8.7 sds
+    assert got["mde"] == pytest.approx((1.959964 + 0.841621) * sd, rel=0.02)
+    assert 0 < got["mc_error"] < 0.05 * (got["high"] - got["low"])
+    fewer = uncertainty.gain_interval(a, b, np.zeros(4_000), 0.0, rng=rng)
+    assert fewer["mc_error"] > got["mc_error"]  # 25x the draws: ~5x smaller (sd of batch
+    # means of 20 batches; their ratio falls below 1 with probability < 1e-9, F law 19, 19)
+
+
+def test_paired_trial_gains_take_the_median_and_a_sign_test():
+    a, b = [0.5, 0.8, 0.7, None, 0.6, 0.5], [0.4, 0.9, 0.7, 0.6, None, 0.6]
+    got = uncertainty.paired_trial_gains(a, b, [1, 2, 3, 4, 5])
+    # finished pairs: trials 1 (+0.1), 2 (0), 5 (+0.1); trial 3 B wins (A diverged), 4 A wins
+    assert got["median"] == pytest.approx(0.1)
+    assert (got["wins"], got["losses"]) == (3, 1)
+    assert got["sign_p"] == pytest.approx(scipy.stats.binomtest(3, 4).pvalue)
+    # 7 of 7 wins: the sign test's p = 2 / 2^7 = 0.015625 (board v3's RS vs DP-SGD)
+    seven = uncertainty.paired_trial_gains([0.5] * 8, [0.6] * 8, range(1, 8))
+    assert seven["sign_p"] == pytest.approx(0.015625)

@@ -15,8 +15,9 @@ from dpbench import tuning
 from dpbench.board import paired
 from dpbench.board.plots import plot_expected_best, plot_forest, plot_groups
 from dpbench.board.render import render_html, render_markdown
-from dpbench.board.results import (GROUP_PATTERN, LeaderboardError, load_audits, load_perf,
-                                   load_records, searches_in_progress, summarize)
+from dpbench.board.results import (BASELINE, GROUP_PATTERN, LeaderboardError, config_key,
+                                   load_audits, load_perf, load_records, searches_in_progress,
+                                   summarize)
 from dpbench.board.verdicts import (baseline_text, best_recorded_baseline, v1_gains,
                                     v3_table, verdict_tables, verdicts)
 
@@ -50,6 +51,8 @@ def build(records_dir, out_dir, audits_dir=None, perf_json=None, claims_json=Non
         "what_changed", {}) if claims_json else {}, methods=methods.claims(methods_dirs))
     headline = _paired_verdicts(table, finished, history, claims, out_dir, earlier_records,
                                 superseded)
+    if headline:
+        headline[0]["totals"] = totals_text(dataset_totals(headline, history))
     v2_table = {g: rows for g, rows in table.items() if g not in {h["group"] for h in headline}}
     tables = verdict_tables(verdicts(v2_table, claims, v1_gains(v1_records)))
     records_lib.atomic_write_text(out_dir / "README.md", render_markdown(
@@ -74,17 +77,29 @@ def _paired_groups(finished) -> set:
     return out
 
 
+THIS_BOARD = "this board"  # the _set of the board's own records (the baseline check's)
+
+
+def _own_baseline_key(finished, group):
+    """(set, configuration key) of the group's DP-SGD row: its winner's retrains (seeds >= 1)."""
+    keys = {config_key(r) for r in finished if r["_group"] == group
+            and r["pipeline"] == BASELINE and r.get("seed") not in (0, None)}
+    return (THIS_BOARD, keys.pop()) if len(keys) == 1 else None
+
+
 def _paired_verdicts(table, finished, history, claims, out_dir, earlier_records,
                      superseded=None) -> list:
-    """[{group, forest, baseline, table}] for every finished group whose search is paired."""
+    """[{group, forest, baseline, table}] for every finished group whose search is paired; the
+    verdicts Holm-corrected over every comparison of the board."""
     group_dirs = {r["_group"]: Path(r["_path"]).parent.parent for r in finished}
-    known = list(finished) + [r for d in history for r in load_records(Path(d))]
+    known = [dict(r, _set=THIS_BOARD) for r in finished] + [
+        dict(r, _set=str(d)) for d in history for r in load_records(Path(d))]
     earlier = v1_gains(earlier_records)
-    out = []
+    analyses = []
     for group in sorted(_paired_groups(finished) & set(table)):
         m = GROUP_PATTERN.match(group)
         best = best_recorded_baseline(known, m["dataset"], m["model"], float(m["eps"]),
-                                      float(m["delta"]))
+                                      float(m["delta"]), _own_baseline_key(finished, group))
         if best is not None:  # named relative to the board: the same bytes on every checkout
             best["where"] = os.path.relpath(best["where"], out_dir.resolve())
         earlier_search = None if superseded is None else Path(superseded) / group
@@ -95,13 +110,71 @@ def _paired_verdicts(table, finished, history, claims, out_dir, earlier_records,
                                             superseded_dir=earlier_search)
         except (tuning.SearchRecordError, ValueError) as e:
             raise LeaderboardError(f"{group}: {e}") from e
-        out.append(dict(group=group, forest=plot_forest(analysis, out_dir),
+        analyses.append((analysis, earlier_search))
+    paired.apply_holm([a for a, _ in analyses])  # one family: every comparison on the board
+    out = []
+    for analysis, earlier_search in analyses:
+        out.append(dict(group=analysis["group"], forest=plot_forest(analysis, out_dir),
                         baseline=baseline_text(analysis["baseline"]) + " "
                         + junk_text(analysis["junk_breakdown"])
                         + _superseded_text(analysis, earlier_search, out_dir)
-                        + _deployment_text(analysis),
+                        + _deployment_text(analysis) + _seed_text(analysis),
                         table=v3_table(analysis, earlier), analysis=analysis))
     return out
+
+
+def _seed_text(analysis: dict) -> str:
+    """How the seed part was estimated (pooled when Bartlett does not reject), and any run
+    published twice that composes once."""
+    pooled = analysis["pooled"]
+    if pooled["pooled"]:
+        text = (f" Seed part: variance pooled over the group's methods (Bartlett p "
+                f"{pooled['bartlett_p']:.2f}; {pooled['df']} degrees of freedom).")
+    else:
+        text = (" Seed part: Welch per comparison (Bartlett p "
+                + ("n/a" if pooled["bartlett_p"] is None else f"{pooled['bartlett_p']:.3f}")
+                + ": the seed variances are not shown homogeneous).")
+    twice = {m: r["duplicate_runs"] for m, r in sorted(analysis["methods"].items())
+             if r.get("duplicate_runs")}
+    if twice:
+        text += (" Published twice, composed once: " + ", ".join(
+            f"{m} {n}" for m, n in twice.items()) + " run(s).")
+    return text
+
+
+def dataset_totals(headline, history=()) -> list:
+    """Per dataset: the PLD epsilon of every distinct run the board publishes about its images
+    (every paired group's runs, superseded searches included), and with the earlier boards'
+    runs (``history``) too; each run once, composed as if its noise were fresh."""
+    runs, deltas = {}, {}
+    for h in headline:
+        dataset = GROUP_PATTERN.match(h["group"])["dataset"]
+        deltas.setdefault(dataset, set()).add(float(GROUP_PATTERN.match(h["group"])["delta"]))
+        for r in h["analysis"]["methods"].values():
+            runs.setdefault(dataset, []).extend(r["published_runs"])
+    out = []
+    for dataset, board_runs in sorted(runs.items()):
+        delta = max(deltas[dataset])
+        older = [(r.get("final_params_sha256") or r["_path"], r["dp_event"])
+                 for d in history for r in load_records(Path(d))
+                 if r["dataset"] == dataset and r.get("dp_event") is not None]
+        out.append(dict(dataset=dataset, delta=delta, runs=len(paired.distinct_events(
+            board_runs)), epsilon=paired.published_epsilon(board_runs, delta, coarse=True),
+            runs_with_history=len(paired.distinct_events(board_runs + older)),
+            epsilon_with_history=paired.published_epsilon(board_runs + older, delta,
+                                                          coarse=True) if older else None))
+    return out
+
+
+def totals_text(totals) -> str:
+    return "".join(
+        f" Everything this board publishes about {t['dataset']} ({t['runs']} distinct runs, "
+        f"each composed once as if its noise were fresh) is ({t['epsilon']:.1f}, "
+        f"{t['delta']:g})-DP for its images"
+        + ("" if t["epsilon_with_history"] is None else
+           f"; with the earlier boards' runs ({t['runs_with_history']} in all), "
+           f"({t['epsilon_with_history']:.1f}, {t['delta']:g})-DP")
+        + ": what these tables compare spent that much privacy." for t in totals)
 
 
 def _deployment_text(analysis: dict) -> str:

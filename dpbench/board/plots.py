@@ -98,6 +98,8 @@ def plot_forest(analysis: dict, out_dir: Path) -> str:
                   key=lambda item: item[0], reverse=True)
     ends = [100 * v for _, r in rows for v in (r["interval"]["low"], r["interval"]["high"])]
     ends += [v for _, r in rows for v in (r["claim_range"] or ()) if v is not None]
+    ends += [100 * r["paired_gains"]["median"] for _, r in rows
+             if (r.get("paired_gains") or {}).get("median") is not None]
     lo, hi = min(ends + [0.0]) - 0.5, max(ends + [0.0]) + 0.5
     fig, ax = plt.subplots(figsize=(7, 0.45 * len(rows) + 1.4))
     labelled = False
@@ -113,9 +115,15 @@ def plot_forest(analysis: dict, out_dir: Path) -> str:
         interval = r["interval"]
         gain = 100 * interval["gain"]
         color = {"better": "tab:green", "worse": "tab:red"}.get(r["verdict"], "tab:gray")
+        if r["verdict"].startswith("equivalent"):
+            color = "tab:blue"
         ax.errorbar(gain, y, xerr=[[gain - 100 * interval["low"]],
                                    [100 * interval["high"] - gain]],
                     fmt="o", color=color, capsize=4)
+        gains = r.get("paired_gains")
+        if gains is not None and gains["median"] is not None:  # the paired estimand beside it
+            ax.plot(100 * gains["median"], y + 0.22, marker="D", markerfacecolor="none",
+                    color=color, linestyle="none")
     ax.axvline(0.0, color="black", linewidth=0.8)
     ax.set_yticks(range(len(rows)), [m for m, _ in rows])
     ax.set_xlim(lo, hi)

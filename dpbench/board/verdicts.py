@@ -12,22 +12,29 @@ from dpbench.board.results import (BASELINE, GROUP_PATTERN, config_key, config_l
                                    load_records, summarize)
 
 
-def best_recorded_baseline(records, dataset: str, model: str, epsilon: float, delta: float):
-    """The best DP-SGD configuration dpbench has recorded for a group under any protocol
-    (``records``: every record set's runs, archives included): highest mean test accuracy over
-    its seeds among configurations with at least 2 seeds. A check, not a claim: picking the best
-    on test is itself biased upward, which makes the check strict. None when there is none."""
-    configs = {}
+def best_recorded_baseline(records, dataset: str, model: str, epsilon: float, delta: float,
+                           exclude=None):
+    """The best OTHER DP-SGD configuration dpbench has recorded for a group (``records``: every
+    record set's runs, archives included, each with ``_set`` naming the board whose code ran
+    it): highest mean test accuracy over its seeds 1 and up (seed 0 is a search's selected
+    seed, biased upward) among configurations with at least 2 such seeds, one board's code at
+    a time (a configuration's seeds from two boards are never pooled); ``exclude`` is the
+    (set, configuration key) of the row under check. A check, not a claim: picking the best on
+    test is itself biased upward, which makes the check strict. None when there is none."""
+    configs, seen = {}, []
     for r in records:
         if (r["pipeline"], r["dataset"], r["model"]) == (BASELINE, dataset, model) and \
                 float(r["target_epsilon"]) == float(epsilon) and float(r["delta"]) == delta:
-            configs.setdefault(config_key(r), []).append(r)
+            key = (r.get("_set", ""), config_key(r))
+            seen.append((key, r))  # the label names what sets the best apart from all of them
+            if key != exclude and r.get("seed") != 0:
+                configs.setdefault(key, []).append(r)
     scored = {k: [float(r["test_accuracy"]) for r in runs] for k, runs in configs.items()
               if len({r["seed"] for r in runs}) >= 2}
     if not scored:
         return None
     best = min(scored, key=lambda k: (-np.mean(scored[k]), k))
-    others = [r for k, runs in configs.items() if k != best for r in runs]
+    others = [r for k, r in seen if k[1] != best[1]]
     return dict(key=best, scores=scored[best], where=str(configs[best][0].get("_path", "")),
                 label=config_label(configs[best][0], others))
 
@@ -102,17 +109,21 @@ def verdict_tables(verdict_rows: dict) -> list:
     return tables
 
 
-V3_COLUMNS = ("method", "paper", "paper's claim", "gain, seeds 1-4", "95% interval (incl. search)",
-              "verdict", "paired win rate vs DP-SGD", "ε, K secret (deployment)",
-              "ε, all published", "earlier board's gain")
+V3_COLUMNS = ("method", "paper", "paper's claim", "gain, seeds 1-4",
+              "95% interval (incl. search) ± MC error", "verdict (Holm)",
+              "min. detectable gain (80% power)", "paired per-trial gain: median (W-L, sign p)",
+              "ε, K secret (deployment)", "ε, all published (distinct runs)",
+              "earlier board's gain")
 
 
 def baseline_text(check: dict) -> str:
     """The group's baseline check as one sentence."""
     if check["best"] is None:
-        return "Baseline check: no earlier DP-SGD configuration with 2+ seeds is recorded."
+        return ("Baseline check: no other DP-SGD configuration with 2+ seeds besides seed 0 is "
+                "recorded.")
     head = (f"Baseline check: DP-SGD's row {100 * check['row']:.2f} (its retrain seeds) against "
-            f"the best DP-SGD configuration recorded under any protocol, "
+            f"the best other DP-SGD configuration on record (seeds 1 and up, one board's code "
+            f"at a time), "
             f"{100 * check['best']:.2f} ({check['best_label']}; {check['best_where']}): ")
     if check["status"] == "weaker":
         return head + ("**weaker** (a 95% Welch interval lies below zero): every verdict of "
@@ -129,6 +140,18 @@ def deployment_cell(row: dict) -> str:
     return "n/a"
 
 
+def _p_text(p: float) -> str:
+    return "< 0.001" if p < 0.001 else f"{p:.3f}"
+
+
+def paired_cell(gains) -> str:
+    """The per-trial paired gain: median over the matched trials, wins-losses, sign test p."""
+    if gains is None:
+        return "n/a"
+    median = "n/a" if gains["median"] is None else f"{100 * gains['median']:+.2f}"
+    return f"{median} ({gains['wins']}-{gains['losses']}, p {_p_text(gains['sign_p'])})"
+
+
 def v3_table(analysis: dict, earlier: dict) -> tuple:
     """(title, rows of cells) of one paired group's verdicts; ``earlier``: (model, epsilon,
     method) -> (gain, s.e.) of the previous board (v2_gains)."""
@@ -141,9 +164,10 @@ def v3_table(analysis: dict, earlier: dict) -> tuple:
         before = earlier.get((match["model"], float(match["eps"]), method))
         cells.append([
             method, r["claim"].get("paper", "n/a"), r["claim"].get("claim", "n/a"),
-            f"{100 * i['gain']:+.2f}", f"[{100 * i['low']:+.2f}, {100 * i['high']:+.2f}]",
-            r["verdict"], "n/a" if r["win_rate"] is None else f"{r['win_rate']:.2f}",
-            deployment_cell(r),
+            f"{100 * i['gain']:+.2f}",
+            f"[{100 * i['low']:+.2f}, {100 * i['high']:+.2f}] ± {100 * i['mc_error']:.3f}",
+            f"{r['verdict']} (p {_p_text(r['p_adjusted'])})", f"{100 * i['mde']:.2f}",
+            paired_cell(r["paired_gains"]), deployment_cell(r),
             f"{r['published_epsilon']:.3f}",
             "n/a" if before is None else gain_text(*before)])
     return (f"Verdicts: {analysis['group']}", cells)

@@ -27,9 +27,8 @@ import json
 from pathlib import Path
 
 import numpy as np
-from dp_accounting import dp_event
 
-from dpbench import accounting, methods, search_space, tuning
+from dpbench import methods, search_space, tuning
 from dpbench.board import uncertainty
 from dpbench.board.results import BASELINE, GROUP_PATTERN
 from dpbench.board.verdicts import baseline_check

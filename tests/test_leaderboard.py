@@ -260,11 +260,19 @@ def _committed_boards() -> list:
 
 @pytest.mark.parametrize("board_dir", _committed_boards())
 def test_the_committed_board_is_what_its_committed_records_give(tmp_path, board_dir):
-    """The board and every archived board are regenerated, never edited by hand: rebuilding
-    each from its committed records and the inputs its board.json names (in a copy of the
-    leaderboard folder, so every relative path is the same) gives the same bytes. (The SVG
-    plots are only checked to exist: their bytes depend on the matplotlib version.)"""
+    """The live board is regenerated, never edited by hand: rebuilding it from its committed
+    records and the inputs its board.json names (in a copy of the leaderboard folder, so every
+    relative path is the same) gives the same bytes. (The SVG plots are only checked to exist:
+    their bytes depend on the matplotlib version.) An archived board is frozen: its files and
+    records still hash to what `dpbench board --freeze` wrote into its board.json when its
+    bytes were what the code then rendered (so today's columns never rewrite it)."""
     from tests.conftest import REPO_ROOT
+    from dpbench.board import frozen
+    if frozen.frozen_spec(REPO_ROOT / board_dir) is not None:
+        assert board_dir.startswith("leaderboard/archive/")
+        assert frozen.check_frozen(REPO_ROOT / board_dir) == []
+        return
+    assert board_dir == "leaderboard"  # every archive is frozen
     copy = tmp_path / "leaderboard"
     shutil.copytree(REPO_ROOT / "leaderboard", copy, ignore=shutil.ignore_patterns(
         "plots", "*.png"))
@@ -304,6 +312,24 @@ def test_the_committed_boards_verdicts_do_not_depend_on_the_bootstrap_seed():
     assert len(board_verdicts) == 28
     for seed in range(1, 6):
         assert verdicts(seed) == board_verdicts, seed
+
+
+def test_a_frozen_board_is_never_rebuilt_and_a_changed_one_is_caught(records, tmp_path,
+                                                                     capsys):
+    from dpbench.board import frozen
+    assert board.main([f"--records={records}", "--freeze"]) == 0
+    board_dir = records.parent
+    spec = json.loads((board_dir / board.INPUTS_FILE).read_text())["frozen"]
+    assert spec == frozen.freeze_spec(board_dir) and frozen.check_frozen(board_dir) == []
+    before = (board_dir / "README.md").read_bytes()
+    assert board.main([f"--records={records}"]) == 2  # an archive: never re-rendered
+    assert "is a frozen board" in capsys.readouterr().err
+    assert (board_dir / "README.md").read_bytes() == before
+    (board_dir / "README.md").write_bytes(before + b"edited by hand\n")
+    assert frozen.check_frozen(board_dir) == ["README.md changed since the board was frozen"]
+    (board_dir / "README.md").write_bytes(before)
+    next(records.rglob("run_record.json")).write_text("{}")
+    assert frozen.check_frozen(board_dir) == ["its records changed since the board was frozen"]
 
 
 def test_board_json_names_only_known_inputs_that_exist(tmp_path, capsys):

@@ -12,7 +12,7 @@ from pathlib import Path
 from dpbench import methods
 from dpbench import records as records_lib
 from dpbench import tuning
-from dpbench.board import paired
+from dpbench.board import frozen, paired
 from dpbench.board.plots import plot_expected_best, plot_forest, plot_groups
 from dpbench.board.render import render_html, render_markdown
 from dpbench.board.results import (BASELINE, GROUP_PATTERN, LeaderboardError, config_key,
@@ -222,7 +222,7 @@ def board_inputs(board_dir) -> dict:
     if not path.exists():
         return {}
     spec = json.loads(path.read_text())
-    unknown = set(spec) - set(_PATH_INPUTS) - {"history"}
+    unknown = set(spec) - set(_PATH_INPUTS) - {"history", "frozen"}
     if unknown:
         raise LeaderboardError(f"{path}: unknown inputs {sorted(unknown)}; known: "
                                f"{', '.join((*_PATH_INPUTS, 'history'))}")
@@ -287,10 +287,22 @@ def main(argv=None) -> int:
     parser.add_argument("--methods_dirs", nargs="+", default=[],
                         help="your folders holding method folders (<name>/method.json: paper "
                              "and claim), searched before dpbench's own pipelines/")
+    parser.add_argument("--freeze", action="store_true",
+                        help="after building, freeze the board: board.json records the hashes "
+                             "of its README.md, index.html and records, and later code never "
+                             "re-renders it (an archive)")
     args = parser.parse_args(argv)
     problem = resolve_paths(args)
     if problem:
         print(f"dpbench: error: {problem}", file=sys.stderr)
+        return 2
+    if frozen.frozen_spec(args.out) is not None:
+        problems = frozen.check_frozen(args.out)
+        print(f"dpbench: error: {args.out} is a frozen board (an archive: board.json holds "
+              "the hashes of its files and records, and today's code would render it "
+              "differently); it is never rebuilt. " + ("Its files still match." if not problems
+                                                       else "; ".join(problems) + "."),
+              file=sys.stderr)
         return 2
     try:
         table = build(args.records, args.out, args.audits, args.perf, args.claims,
@@ -302,6 +314,9 @@ def main(argv=None) -> int:
         return 2
     print(f"wrote {args.out}/README.md and {args.out}/index.html "
           f"({sum(len(r) for r in table.values())} rows in {len(table)} groups)")
+    if args.freeze:
+        frozen.freeze(args.out)
+        print(f"froze {args.out}: {INPUTS_FILE} holds the hashes of its files and records")
     return 0
 
 

@@ -312,10 +312,14 @@ def test_an_unfinished_search_is_listed_not_ranked(finished_sweep, tmp_path):
         board.build(records, tmp_path / "board")
 
 
-def test_the_board_shows_the_search_and_regenerates_identical_bytes(finished_sweep, tmp_path):
+def test_the_board_shows_the_search_and_regenerates_identical_bytes(finished_sweep, tmp_path,
+                                                                   capsys):
     from dpbench import board
     records, group = copied_records(finished_sweep, tmp_path, RANDOM_LAW)
     table = board.build(records, tmp_path / "a")
+    # halfclip's folder is the researcher's, not passed here: its paper and claim show as
+    # n/a, and the board says why and what to pass
+    assert (f"no method folder for '{OTHER}'" in capsys.readouterr().err)
     summary = tuning.search_summary(group)
     for row in table[GROUP]:  # the protocol's delta (1e-5), not digits.gin's default (1e-4)
         assert row["search"]["search_epsilon"] == summary[row["method"]]["search_epsilon"]
@@ -325,15 +329,23 @@ def test_the_board_shows_the_search_and_regenerates_identical_bytes(finished_swe
     assert "2 (1 + J, J ~ geometric, mean 1)" in text
     assert f"plots/{GROUP}__trials.svg" in text
     board.build(records, tmp_path / "b")
+    capsys.readouterr()
     for name in ("README.md", "index.html", f"plots/{GROUP}__trials.svg"):
         assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes()
     # the verdicts: the paper's claim next to v1's gain (none here) and v2's
     board.build(records, tmp_path / "c", claims_json=V2_CLAIMS, methods_dirs=(
         methods.BOARD_METHODS, finished_sweep.folder / "my_methods"))
+    assert "no method folder" not in capsys.readouterr().err  # every method has its folder
     text = (tmp_path / "c" / "README.md").read_text()
     assert f"## Verdicts: {GROUP}" in text
+    # the researcher's own board: headers that say what each gain is, and a verdict word
+    header = next(line for line in text.splitlines() if line.startswith("| method | paper |"))
+    assert "gain over DP-SGD, points (± s.e.)" in header and "v2 gain" not in header
+    assert "verdict (seeds only, Holm; search luck not included)" in header
     row = next(line for line in text.splitlines() if line.startswith(f"| {OTHER} | A. Res"))
     assert "n/a (not on v1)" in row and f"{summary[OTHER]['search_epsilon']:.3f}" in row
+    assert any(f"| {word}" in row for word in ("better (p", "worse (p", "inconclusive (p",
+                                                "equivalent within ±1 (p"))
 
 
 def test_a_changed_protocol_is_refused_once_a_search_began(tmp_path):

@@ -54,7 +54,14 @@ def build(records_dir, out_dir, audits_dir=None, perf_json=None, claims_json=Non
     if headline:
         headline[0]["totals"] = totals_text(dataset_totals(headline, history))
     v2_table = {g: rows for g, rows in table.items() if g not in {h["group"] for h in headline}}
-    tables = verdict_tables(verdicts(v2_table, claims, v1_gains(v1_records)))
+    v2_verdicts = verdicts(v2_table, claims, v1_gains(v1_records))
+    tables = verdict_tables(v2_verdicts)
+    shown = {v["method"] for rows in v2_verdicts.values() for v in rows} | {
+        m for h in headline for m, r in h["analysis"]["methods"].items() if "interval" in r}
+    for method in sorted(shown - set(claims["methods"])):
+        print(f"dpbench board: warning: no method folder for '{method}' in "
+              f"{[str(d) for d in methods_dirs]}: its paper and claim show as n/a; pass the "
+              "folder holding it with --methods_dirs", file=sys.stderr)
     records_lib.atomic_write_text(out_dir / "README.md", render_markdown(
         table, plots, note, trial_plots, tables, headline))
     records_lib.atomic_write_text(out_dir / "index.html", render_html(

@@ -93,8 +93,10 @@ HEADLINE = (
     "benchmarks with recorded seeds, not that deployment. 'ε, all published': every distinct "
     "run the board publishes for the method (each trajectory once), composed with PLD as if "
     "each had drawn fresh noise; the board's seeded runs of a group share seed 0's stream, "
-    "which composition does not model. The shaded band of each plot is the paper's own claim, "
-    "the hollow diamond the paired per-trial median.")
+    "which composition does not model. 'paper' and 'paper's claim': from the method's folder "
+    "(its method.json). 'earlier board's gain': board v2's gain ± s.e. for the same model and "
+    "epsilon. The shaded band of each plot is the paper's own claim, the hollow diamond the "
+    "paired per-trial median.")
 
 
 def _headline_markdown(headline) -> list:

@@ -274,6 +274,7 @@ def summarize(records: list[dict], audits: dict, out_dir: Path,
             rows.append(dict(
                 method=method, config=key, config_label=config_label(runs[0], others),
                 configs_tried=len(configs), seeds=len(runs),
+                test_scores=[float(r["test_accuracy"]) for r in runs],
                 test_mean=test_mean, test_std=test_std, validation_mean=val_mean,
                 noise_multiplier=first["noise_multiplier"], steps=first["steps"],
                 batch_size=first["batch_size"], epochs=first["epochs"],

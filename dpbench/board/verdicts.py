@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy as np
 import scipy.stats
 
+from dpbench.board import uncertainty
 from dpbench.board.results import (BASELINE, GROUP_PATTERN, config_key, config_label,
                                    load_records, summarize)
 
@@ -69,21 +70,52 @@ def v1_gains(v1_records) -> dict:
     return out
 
 
+def seed_comparison(base_scores, scores):
+    """The seeds-only comparison of a searched (unpaired) group's winners: Welch's gain, s.e.
+    and df, the two-sided t-test p-value and the 90% interval (for 'equivalent'); None with
+    fewer than 2 seeds on either side. It leaves the search's luck out: the label says so."""
+    if len(base_scores) < 2 or len(scores) < 2:
+        return None
+    gain, se, df = uncertainty.welch(base_scores, scores)
+    if se == 0:
+        p, half = (1.0 if gain == 0 else 0.0), 0.0
+    else:
+        p = float(2 * scipy.stats.t.sf(abs(gain) / se, df))
+        half = float(scipy.stats.t.ppf(1 - uncertainty.ALPHA, df) * se)
+    return dict(gain=gain, se=se, df=df, p_value=p, low90=gain - half, high90=gain + half)
+
+
 def verdicts(table: dict, claims: dict, v1: dict) -> dict:
     """group -> one row per method (but DP-SGD) of a finished v2 search: its paper's claim,
-    board v1's gain at the same model and epsilon, v2's gain +- s.e., the search's epsilon,
-    and the sentence on what changed (claims["what_changed"][group], written by hand)."""
-    out = {}
+    its gain over DP-SGD +- s.e., its verdict (the seeds-only comparison, Holm over every such
+    comparison of the board: ``seed_comparison``), the search's epsilon, board v1's gain at
+    the same model and epsilon, and the sentence on what changed (claims["what_changed"]
+    [group], written by hand)."""
+    out, tests = {}, {}
     for group, rows in table.items():
         if not any(r["search"] for r in rows):
             continue
         match = GROUP_PATTERN.match(group)
-        out[group] = [dict(
-            method=r["method"], claim=claims.get("methods", {}).get(r["method"], {}),
-            v1=v1.get((match["model"], float(match["eps"]), r["method"])),
-            gain=r["gain"], gain_se=r["gain_se"], search=r["search"],
-            changed=claims.get("what_changed", {}).get(group, {}).get(r["method"], ""))
-            for r in sorted(rows, key=lambda r: r["method"]) if r["method"] != BASELINE]
+        base = next((r for r in rows if r["method"] == BASELINE), None)
+        out[group] = []
+        for r in sorted(rows, key=lambda r: r["method"]):
+            if r["method"] == BASELINE:
+                continue
+            test = None if base is None else seed_comparison(base["test_scores"],
+                                                             r["test_scores"])
+            if test is not None:
+                tests[(group, r["method"])] = test
+            out[group].append(dict(
+                method=r["method"], claim=claims.get("methods", {}).get(r["method"], {}),
+                v1=v1.get((match["model"], float(match["eps"]), r["method"])),
+                gain=r["gain"], gain_se=r["gain_se"], search=r["search"], test=test,
+                changed=claims.get("what_changed", {}).get(group, {}).get(r["method"], "")))
+    adjusted = uncertainty.holm({k: t["p_value"] for k, t in tests.items()})
+    for group, rows in out.items():
+        for v in rows:
+            if v["test"] is not None:
+                v["p_adjusted"] = adjusted[(group, v["method"])]
+                v["verdict"] = uncertainty.label(v["test"], v["p_adjusted"])
     return out
 
 
@@ -93,8 +125,9 @@ def gain_text(gain, se) -> str:
     return f"{100 * gain:+.2f}" + ("" if se is None else f" ± {100 * se:.2f}")
 
 
-VERDICT_COLUMNS = ("method", "paper", "paper's claim", "v1 gain", "v2 gain (± s.e.)",
-                   "ε incl. tuning", "what changed")
+VERDICT_COLUMNS = ("method", "paper", "paper's claim", "gain over DP-SGD, points (± s.e.)",
+                   "verdict (seeds only, Holm; search luck not included)", "ε incl. tuning",
+                   "gain on board v1", "what changed")
 
 
 def verdict_tables(verdict_rows: dict) -> list:
@@ -102,8 +135,11 @@ def verdict_tables(verdict_rows: dict) -> list:
     tables = []
     for group, rows in verdict_rows.items():
         cells = [[v["method"], v["claim"].get("paper", "n/a"), v["claim"].get("claim", "n/a"),
+                  gain_text(v["gain"], v["gain_se"]),
+                  "n/a (fewer than 2 seeds)" if v["test"] is None else
+                  f"{v['verdict']} (p {_p_text(v['p_adjusted'])})",
+                  f"{v['search']['search_epsilon']:.3f}",
                   "n/a (not on v1)" if v["v1"] is None else gain_text(*v["v1"]),
-                  gain_text(v["gain"], v["gain_se"]), f"{v['search']['search_epsilon']:.3f}",
                   v["changed"] or "—"] for v in rows]
         tables.append((f"Verdicts: {group}", cells))
     return tables

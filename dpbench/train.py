@@ -303,6 +303,8 @@ def train(workdir: str | Path, config: Optional[TrainConfig] = None,
                  "(calibrated in %.1fs)", pipeline_name, compiled.noise_multiplier,
                  compiled.sensitivity, run.total_steps, sampler.sampling_rate,
                  sampler.padded_batch_size, run.compile_s)
+    logging.info("per-example gradients: %s%s", compiled.plan.strategy,
+                 f" ({compiled.plan.strategy_reason})" if compiled.plan.strategy_reason else "")
     end_step, stop_reason = _budget_stop(compiled, budget, config)
     settings = run_settings(pipeline_name=pipeline_name, compiled=compiled,
                             dataset=run.dataset, config=config, budget=budget,
@@ -353,6 +355,7 @@ def _run_record(loop: _Loop, state, progress: Progress, pipeline_name: str, gin_
         epochs=config.epochs, steps=end_step, planned_steps=run.total_steps,
         stop_reason=stop_reason, budget_enforced=config.enforce_budget,
         per_example_strategy=compiled.plan.strategy,
+        per_example_strategy_reason=compiled.plan.strategy_reason or None,
         sampling=run.sampler.describe(),
         seed=config.seed,  # None for a release run: its OS-drawn seed is never written
         ema_decay=config.ema_decay, validation_accuracy=best["validation_accuracy"],

@@ -94,6 +94,21 @@ def test_the_compiler_picks_bookkeeping_only_where_it_reproduces_the_chain():
     assert _compile(_chain("dpsgd"), model, True, shape).plan.strategy == "bookkeeping"
 
 
+def test_a_materialized_plan_says_why():
+    """The record and the log say which per-example strategy ran and, for the materialized
+    one, why: augmentation, parameters outside the tap layers (named), a chain book-keeping
+    does not reproduce, or no model; book-keeping needs no reason."""
+    model = models.make_model(10, name="mlp", hidden=(16,))
+    shape = (8, 8, 1)
+    augmented = [stages.grad.per_example(augmult=2, augmentation="crop")] + _chain("dpsgd")[1:]
+    assert "augmentation" in _compile(augmented, model, True, shape).plan.strategy_reason
+    normed = models.make_model(10, name="tanh_cnn", group_norm_groups=4)
+    reason = _compile(_chain("dpsgd"), normed, True, (28, 28, 1)).plan.strategy_reason
+    assert "GroupNorm_0/scale" in reason and "nn.Dense and PatchConv" in reason
+    assert _compile(_chain("dpsgd"), model, True, shape).plan.strategy_reason == ""
+    assert "no model" in _compile(_chain("dpsgd"), model, False, shape).plan.strategy_reason
+
+
 class _ThreePathNet(nn.Module):
     """Tap layers whose shapes force each of book-keeping's per-layer norm paths: a
     convolution over many positions (materialized a^T delta), one over few positions and many

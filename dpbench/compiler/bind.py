@@ -24,6 +24,7 @@ class Plan:
     model: Any = None      # the flax model, when the caller gives it (book-keeping needs it)
     taps: Optional[tuple] = None  # its matmul layers (bookkeeping.discover_taps), if all params
     strategy: str = "materialized"  # per-example strategy: "materialized" or "bookkeeping"
+    strategy_reason: str = ""  # why the materialized one ("" for book-keeping)
 
     @property
     def num_per_example(self) -> int:
@@ -80,4 +81,8 @@ def bind(stages: Sequence[Stage], info: StageInfo, model=None,
     if bookkeeping.applies(plan.stages, plan.num_per_example, taps) or \
             bookkeeping.applies_layer_clip(plan.stages, fns, plan.num_per_example, taps):
         plan = dataclasses.replace(plan, taps=taps, strategy="bookkeeping")
+    else:
+        plan = dataclasses.replace(plan, strategy_reason=bookkeeping.strategy_reason(
+            plan.stages, plan.num_per_example, taps, model, info.param_shapes,
+            info.example_shape))
     return plan

@@ -87,9 +87,10 @@ def forward(model: nn.Module, params, images, perturbations: Optional[dict] = No
     return logits, inputs
 
 
-def discover_taps(model: nn.Module, params_shape, example_shape) -> Optional[tuple]:
-    """The model's tap layers, or None when some parameter is not a tap layer's kernel or bias
-    (e.g. GroupNorm's scale): then book-keeping does not apply."""
+def _tap_inputs(model: nn.Module, params_shape, example_shape) -> tuple[dict, list, bool]:
+    """(tap path -> the shape of its input, for one example; the parameter leaves that no tap
+    layer holds, as paths; whether the taps' kernels and biases are exactly the parameters),
+    by tracing the model's forward pass (no compute)."""
     shapes = {}
 
     def trace(params, images):
@@ -100,9 +101,16 @@ def discover_taps(model: nn.Module, params_shape, example_shape) -> Optional[tup
     x = jax.ShapeDtypeStruct((1,) + tuple(example_shape), jnp.float32)
     jax.eval_shape(trace, params_shape, x)
     covered = {path + (leaf,) for path in shapes for leaf in ("kernel", "bias")}
-    leaves = {tuple(k.key for k in path[1:]) for path, _ in
-              jax.tree_util.tree_flatten_with_path(params_shape)[0]}
-    if covered != leaves:
+    leaves = [tuple(k.key for k in path[1:]) for path, _ in
+              jax.tree_util.tree_flatten_with_path(params_shape)[0]]
+    return shapes, [leaf for leaf in leaves if leaf not in covered], covered == set(leaves)
+
+
+def discover_taps(model: nn.Module, params_shape, example_shape) -> Optional[tuple]:
+    """The model's tap layers, or None when some parameter is not a tap layer's kernel or bias
+    (e.g. GroupNorm's scale): then book-keeping does not apply."""
+    shapes, _, exact = _tap_inputs(model, params_shape, example_shape)
+    if not exact:  # a parameter outside the taps, or a tap without a bias
         return None
     taps = []
     for path, shape in shapes.items():
@@ -136,6 +144,34 @@ def applies(stages, num_per_example: int, taps: Optional[tuple]) -> bool:
     return (_plain_gradient(first)
             and last.name == "clip.global_l2" and last.kind_out == Kind.BOUNDED
             and all(s.kind_in == s.kind_out == Kind.PER_EXAMPLE for s in middle))
+
+
+def untapped_parameters(model: nn.Module, params_shape, example_shape) -> list:
+    """The parameters (as 'Layer/leaf' paths) that no tap layer holds: why book-keeping does
+    not apply to a model (``discover_taps`` is None)."""
+    untapped = _tap_inputs(model, params_shape, example_shape)[1]
+    return sorted("/".join(map(str, leaf)) for leaf in untapped) or [
+        "(a tap layer without a bias)"]
+
+
+def strategy_reason(stages, num_per_example: int, taps: Optional[tuple], model,
+                    params_shape, example_shape) -> str:
+    """Why the per-example gradients are materialized ("" when book-keeping applies): no
+    model given, parameters outside the tap layers (named), augmentation, or a chain that
+    book-keeping does not reproduce."""
+    if model is None:
+        return "no model given to the compiler (book-keeping needs its layers)"
+    if taps is None:
+        names = untapped_parameters(model, params_shape, example_shape)
+        shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+        return (f"the model has parameters outside the layers book-keeping taps (nn.Dense and "
+                f"PatchConv): {shown}")
+    if not _plain_gradient(stages[0]):
+        return ("augmentation (grad.per_example with augmult > 1 or an augmentation): "
+                "book-keeping takes one position per example")
+    chain = " -> ".join(s.name for s in stages[:num_per_example])
+    return (f"the per-example chain {chain} is not the gradient, per-example stages and "
+            "clip.global_l2 (nor a clip with a layer form) that book-keeping reproduces")
 
 
 def applies_layer_clip(stages, fns, num_per_example: int, taps: Optional[tuple]) -> bool:

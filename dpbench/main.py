@@ -116,8 +116,26 @@ def run():
         audit.run()
         return
     if {"-h", "--help"} & set(rest):
-        sys.exit(_flags_help(command, COMMANDS[command], ("dpbench.config", "dpbench.main")))
+        _flags_help(command, COMMANDS[command], ("dpbench.config", "dpbench.main"))
+        sys.exit(_registered_help(rest))
     app.run(check_main if command == "check" else main, flags_parser=config.parse_flags_or_exit)
+
+
+def _registered_help(rest: list) -> int:
+    """The models and stages a gin file may name: dpbench's own, and, with --gin_file given,
+    those its ``import`` lines register (a user's plug-ins)."""
+    from dpbench import models
+    from dpbench.stages.base import registered_stage_names
+    gin_files = [a.split("=", 1)[1] for a in rest if a.startswith("--gin_file=")]
+    if gin_files:
+        try:
+            config.parse_config(gin_files, [])
+        except config.ConfigError as e:
+            print(f"dpbench: error: {e}", file=sys.stderr)
+            return config.BAD_INPUT_EXIT
+    print("models (model.name):", ", ".join(models.registered_models()))
+    print("stages:", ", ".join(registered_stage_names()))
+    return 0
 
 
 def _flags_help(command: str, what: str, modules: tuple) -> int:

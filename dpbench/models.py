@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 
-from typing import Sequence
+from typing import Callable, Optional, Sequence
 
 import flax.linen as nn
 import gin
@@ -14,8 +14,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+# dpbench's own models (more register themselves: ``register_model``, e.g. dpbench.wide_resnet)
 MODELS = ("tanh_cnn", "mlp", "logistic", "scatter_linear", "scatter_cnn")
-# The features (dataset.features) a model is built for (tanh_cnn: pixels; mlp, logistic: any).
+# The features (dataset.features) a built-in model needs when not pixels (mlp, logistic: any).
 REQUIRED_FEATURES = {"scatter_linear": "scattering", "scatter_cnn": "scattering"}
 # "identity" builds the linearized twin of a model (SynFlow scores: data-free, no nonlinearity).
 ACTIVATIONS = {"tanh": nn.tanh, "relu": nn.relu, "identity": lambda x: x}
@@ -219,30 +220,82 @@ class ScatterCNN(nn.Module):
         return nn.Dense(self.num_classes)(x)
 
 
+@dataclasses.dataclass(frozen=True)
+class ModelSpec:
+    """A registered model. ``build(num_classes, knobs, linearized)`` returns the flax module;
+    ``knobs`` are ModelConfig's fields as a dict (a plug-in's own knobs are gin configurables of
+    its own module). ``features``: the dataset.features it is built for (None: any).
+    ``describe_inputs(knobs)``: what it does to its inputs before any learned layer, for the
+    privacy statement ([{"what", "why"}]). ``module``: where it was registered."""
+
+    build: Callable
+    features: Optional[str] = None
+    describe_inputs: Callable = lambda knobs: []
+    module: str = ""
+
+
+_MODELS: dict = {}
+
+
+def register_model(name: str, build: Callable, *, features: Optional[str] = None,
+                   describe_inputs: Optional[Callable] = None) -> Callable:
+    """Registers a model under ``name`` (``model.name = '<name>'`` then builds it); a module
+    that is imported again re-registers. Returns ``build``."""
+    _MODELS[name] = ModelSpec(build, features, describe_inputs or (lambda knobs: []),
+                              module=getattr(build, "__module__", ""))
+    return build
+
+
+def registered_models() -> tuple:
+    return tuple(sorted(_MODELS))
+
+
+def model_spec(name: str) -> ModelSpec:
+    if name not in _MODELS:
+        raise ValueError(f"unknown model {name!r}; known: {', '.join(registered_models())} "
+                         "(set model.name; a model of your own registers itself with "
+                         "dpbench.models.register_model, its module imported by your gin file)")
+    return _MODELS[name]
+
+
 def make_model(num_classes: int, name: str, activation: str = "tanh",
                hidden: Sequence[int] = (256,), group_norm_groups: int = 0,
                conv_impl: str = "patches", center_inputs: bool = True,
                input_norm_groups: int = 27, linearized: bool = False) -> nn.Module:
-    """Builds the model ``name``; raises ValueError naming the known models. ``linearized``
-    builds its twin for SynFlow (same parameters): identity activations, no input
-    normalization."""
+    """Builds the registered model ``name``; raises ValueError naming the known models.
+    ``linearized`` builds its twin for SynFlow (same parameters): identity activations, no
+    input normalization."""
     if linearized:
         activation = "identity"
     if activation not in ACTIVATIONS:
         raise ValueError(f"model.activation must be one of {sorted(ACTIVATIONS)}, "
                          f"got {activation!r}")
-    if name == "scatter_linear":
-        return ScatterLinear(num_classes, input_norm_groups, normalize=not linearized)
-    if name == "scatter_cnn":
-        return ScatterCNN(num_classes, activation, input_norm_groups,
-                          normalize=not linearized, conv_impl=conv_impl)
-    if name == "tanh_cnn":
-        return TanhCNN(num_classes, activation, group_norm_groups, conv_impl, center_inputs)
-    if name == "mlp":
-        return MLP(num_classes, tuple(hidden), activation)
-    if name == "logistic":
-        return Logistic(num_classes)
-    raise ValueError(f"unknown model {name!r}; known: {', '.join(MODELS)} (set model.name)")
+    knobs = dict(activation=activation, hidden=tuple(hidden),
+                 group_norm_groups=group_norm_groups, conv_impl=conv_impl,
+                 center_inputs=center_inputs, input_norm_groups=input_norm_groups)
+    return model_spec(name).build(num_classes, knobs, linearized)
+
+
+def _scatter_inputs(knobs) -> list:
+    return [dict(what=f"GroupNorm over each example's own feature channels "
+                      f"({knobs['input_norm_groups']} groups, no learned scale or bias)",
+                 why="computed from that one example alone, with no statistic of the data: no "
+                     "privacy cost, no release")]
+
+
+register_model("scatter_linear", lambda n, k, lin: ScatterLinear(
+    n, k["input_norm_groups"], normalize=not lin), features="scattering",
+    describe_inputs=_scatter_inputs)
+register_model("scatter_cnn", lambda n, k, lin: ScatterCNN(
+    n, k["activation"], k["input_norm_groups"], normalize=not lin, conv_impl=k["conv_impl"]),
+    features="scattering", describe_inputs=_scatter_inputs)
+register_model("tanh_cnn", lambda n, k, lin: TanhCNN(
+    n, k["activation"], k["group_norm_groups"], k["conv_impl"], k["center_inputs"]),
+    features="pixels", describe_inputs=lambda k: [dict(
+        what="pixels mapped from [0, 1] to [-1, 1]", why="a fixed map: no privacy cost")]
+    if k["center_inputs"] else [])
+register_model("mlp", lambda n, k, lin: MLP(n, tuple(k["hidden"]), k["activation"]))
+register_model("logistic", lambda n, k, lin: Logistic(n))
 
 
 @gin.configurable("model")
@@ -269,9 +322,8 @@ class ModelConfig:
 
     def check_features(self, features: dict) -> None:
         """Raises ValueError, saying what to bind, if the dataset's examples are not what this
-        model is built for (scatter models: ScatterNet features; tanh_cnn: pixels; mlp and
-        logistic take either)."""
-        want = REQUIRED_FEATURES.get(self.name, "pixels" if self.name == "tanh_cnn" else None)
+        model is built for (its registration's ``features``; None takes either)."""
+        want = model_spec(self.name).features
         if want is not None and features.get("kind") != want:
             raise ValueError(
                 f"model.name = {self.name!r} is built for {want} but the dataset's examples are "
@@ -280,16 +332,8 @@ class ModelConfig:
 
     def describe_inputs(self) -> list:
         """What the model does to its inputs before any learned layer, for the privacy
-        statement (each as {"what", "why"})."""
-        if self.name in REQUIRED_FEATURES:
-            return [dict(what=f"GroupNorm over each example's own feature channels "
-                              f"({self.input_norm_groups} groups, no learned scale or bias)",
-                         why="computed from that one example alone, with no statistic of the "
-                             "data: no privacy cost, no release")]
-        if self.name == "tanh_cnn" and self.center_inputs:
-            return [dict(what="pixels mapped from [0, 1] to [-1, 1]",
-                         why="a fixed map: no privacy cost")]
-        return []
+        statement (each as {"what", "why"}), from its registration."""
+        return list(model_spec(self.name).describe_inputs(dataclasses.asdict(self)))
 
 
 def logits_loss(logits, labels):

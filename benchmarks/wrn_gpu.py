@@ -1,0 +1,135 @@
+"""WRN-16-4 step times: dpbench's DP-SGD step against a plain-JAX non-private step on the same
+images, in one process, on whatever device JAX has (made for a lent GPU machine).
+
+    python -m benchmarks.wrn_gpu --out=DIR [--steps=20]
+
+Per setting (B examples x K augmentations): the DP-SGD step as `dpbench train` runs it (the
+compiled step of train.build_run on Fashion-MNIST, its Poisson batches drawn beforehand, so the
+host's batch assembly is not timed) and a non-private step (jax.grad of the mean loss over the
+same B x K augmented images, an optax SGD update, one jitted function). Median of --steps
+steps after 3 warm-up steps, each ended by blocking on its outputs. Writes DIR/wrn_gpu.json and
+prints a Markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from dpbench import accounting, config, models, train
+from dpbench.stages.grad import augment_image
+
+SETTINGS = ((256, 16, 32), (1024, 1, 128))  # (B, augmult K, micro-batch)
+
+
+def _timed(fn, count: int, warmup: int = 3) -> list:
+    out = []
+    for i in range(warmup + count):
+        start = time.perf_counter()
+        jax.block_until_ready(fn(i))
+        if i >= warmup:
+            out.append(time.perf_counter() - start)
+    return out
+
+
+def dp_sgd(batch: int, augmult: int, micro: int, steps: int, extra=()) -> dict:
+    bindings = [f"train.batch_size = {batch}", f"train.micro_batch_size = {micro}",
+                f"grad.per_example.augmult = {augmult}", *extra]
+    if augmult > 1:
+        bindings.append("grad.per_example.augmentation = 'crop_flip'")
+    config.parse_config(["pipelines/dpsgd", "gin/data/fashion_mnist.gin",
+                         "gin/model/wrn16_4.gin"], bindings)
+    _, stages = train.pipeline_stages()
+    run = train.build_run(stages, config.TrainConfig(), accounting.Budget())
+    state = run.initial_state()
+    batches = [run.host_batch(t) for t in range(steps + 3)]
+    holder = {"state": state}
+
+    def one(i):
+        holder["state"], metrics = run.compiled.step(holder["state"], batches[i])
+        return metrics["train_loss"]
+
+    times = _timed(one, steps)
+    return dict(step_s=statistics.median(times), padded_batch=run.sampler.padded_batch_size,
+                strategy=run.compiled.plan.strategy, reason=run.compiled.plan.strategy_reason,
+                sigma=run.compiled.noise_multiplier, model=run.model, dataset=run.dataset,
+                params=holder["state"].params)  # the first state was donated to the step
+
+
+def non_private(model, params, images, labels, batch: int, augmult: int, steps: int) -> float:
+    opt = optax.sgd(0.1)
+
+    @jax.jit
+    def step(params, opt_state, x, y, key):
+        if augmult > 1:
+            keys = jax.random.split(key, x.shape[0] * augmult).reshape(x.shape[0], augmult)
+            x = jax.vmap(lambda ks, im: jax.vmap(lambda k: augment_image(
+                k, im, "crop_flip", 4))(ks))(keys, x)
+            x = x.reshape((-1,) + x.shape[2:])
+            y = jnp.repeat(y, augmult)
+
+        def loss(p):
+            return jnp.mean(models.logits_loss(model.apply(p, x), y))
+        value, grads = jax.value_and_grad(loss)(params)
+        updates, opt_state = opt.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, value
+
+    rng = np.random.default_rng(0)
+    picks = [rng.choice(len(labels), batch, replace=False) for _ in range(steps + 3)]
+    data = [(jnp.asarray(images[p]), jnp.asarray(labels[p])) for p in picks]
+    holder = {"params": params, "opt": opt.init(params)}
+
+    def one(i):
+        holder["params"], holder["opt"], value = step(holder["params"], holder["opt"],
+                                                      *data[i], jax.random.key(i))
+        return value
+
+    return statistics.median(_timed(one, steps))
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--settings", nargs="+", default=None,
+                        help="B,augmult,micro-batch triples (default: 256,16,32 1024,1,128)")
+    parser.add_argument("--binding", action="append", default=[],
+                        help="extra gin bindings, e.g. 'wrn.depth = 10' for a CPU smoke run")
+    args = parser.parse_args(argv)
+    settings = SETTINGS if args.settings is None else [
+        tuple(int(v) for v in s.split(",")) for s in args.settings]
+    device = jax.devices()[0]
+    rows = []
+    for batch, augmult, micro in settings:
+        dp = dp_sgd(batch, augmult, micro, args.steps, args.binding)
+        train_split = dp["dataset"].train
+        plain = non_private(dp["model"], dp["params"], train_split.images, train_split.labels,
+                            batch, augmult, args.steps)
+        rows.append(dict(batch=batch, augmult=augmult, micro_batch=micro,
+                         padded_batch=dp["padded_batch"], dp_sgd_ms=1e3 * dp["step_s"],
+                         non_private_ms=1e3 * plain, ratio=dp["step_s"] / plain,
+                         strategy=dp["strategy"], reason=dp["reason"], sigma=dp["sigma"]))
+        print(json.dumps(rows[-1]), flush=True)
+    result = dict(device=f"{device.platform}: {device.device_kind}", jax=jax.__version__,
+                  steps=args.steps, bindings=args.binding, rows=rows)
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    (Path(args.out) / "wrn_gpu.json").write_text(json.dumps(result, indent=1) + "\n")
+    print(f"\n{result['device']}, JAX {result['jax']}, median of {args.steps} steps\n")
+    print("| B x augmult (micro-batch; padded B) | JAX non-private ms | DP-SGD ms | ratio |")
+    print("|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['batch']} x {r['augmult']} ({r['micro_batch']}; {r['padded_batch']}) | "
+              f"{r['non_private_ms']:.1f} | {r['dp_sgd_ms']:.1f} | {r['ratio']:.2f}x |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,107 @@
+"""The field's reference model for DP image classification: a wide ResNet with GroupNorm (De et
+al. 2022, "Unlocking high-accuracy differentially private image classification through scale":
+WRN-16-4, 16 groups, no batch statistics), registered as model ``wrn`` by the same call a
+plug-in of a user's own makes (``models.register_model``).
+
+Its knobs are its own gin configurable, ``wrn`` (``wrn.depth = 16``, ``wrn.width = 4``:
+gin/model/wrn16_4.gin; WRN-10-1 for tests). Inputs are images of at most 32x32 pixels:
+smaller ones (Fashion-MNIST's 28x28) are zero-padded to 32x32 at the centre, then every pixel is
+mapped from [0, 1] to [-1, 1]; both are fixed maps of each example alone (no statistic of the
+data, no privacy cost), stated in the run's privacy statement.
+
+Its GroupNorm layers carry a learned scale and bias, and its convolutions are XLA's: the
+compiler runs it with materialized per-example gradients (the record and the log say so, and
+why), never with book-keeping.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import flax.linen as nn
+import gin
+import jax.numpy as jnp
+
+from dpbench import models
+
+SIZE = 32  # the input side the network is built for
+
+
+@gin.configurable("wrn")
+@dataclasses.dataclass(frozen=True)
+class WideResNetKnobs:
+    """WRN-depth-width: depth = 6 n + 4 (n blocks per stage, 3 stages of 16, 32, 64 x width
+    channels); GroupNorm with ``groups`` groups after every convolution but the last."""
+
+    depth: int = 16
+    width: int = 4
+    groups: int = 16
+    activation: str = "relu"
+
+    def __post_init__(self):
+        if self.depth < 10 or (self.depth - 4) % 6:
+            raise ValueError(f"wrn.depth must be 6 n + 4 with n >= 1 (10, 16, 22, 28, ...), "
+                             f"got {self.depth}")
+        if self.width < 1 or self.groups < 1 or 16 % self.groups:
+            raise ValueError(f"wrn.width must be >= 1 and wrn.groups must divide the stem's 16 "
+                             f"channels, got width {self.width}, groups {self.groups}")
+        if self.activation not in models.ACTIVATIONS:
+            raise ValueError(f"wrn.activation must be one of {sorted(models.ACTIVATIONS)}, "
+                             f"got {self.activation!r}")
+
+
+class WideResNet(nn.Module):
+    num_classes: int
+    depth: int = 16
+    width: int = 4
+    groups: int = 16
+    activation: str = "relu"
+
+    @nn.compact
+    def __call__(self, x):
+        act = models.ACTIVATIONS[self.activation]
+        height, width = x.shape[-3], x.shape[-2]
+        if height > SIZE or width > SIZE:
+            raise ValueError(f"model 'wrn' takes images of at most {SIZE}x{SIZE} pixels, got "
+                             f"{height}x{width}")
+        top, left = (SIZE - height) // 2, (SIZE - width) // 2
+        pad = [(0, 0)] * (x.ndim - 3) + [(top, SIZE - height - top),
+                                         (left, SIZE - width - left), (0, 0)]
+        x = 2.0 * jnp.pad(x, pad) - 1.0  # zero-pad to 32x32, then [0, 1] -> [-1, 1]
+
+        def norm(h):
+            return nn.GroupNorm(num_groups=min(self.groups, h.shape[-1]))(h)
+
+        x = nn.Conv(16, (3, 3), padding="SAME", name="stem")(x)
+        blocks = (self.depth - 4) // 6
+        for stage, channels in enumerate((16 * self.width, 32 * self.width, 64 * self.width)):
+            for block in range(blocks):
+                strides = (2, 2) if stage > 0 and block == 0 else (1, 1)
+                h = act(norm(x))
+                shortcut = x if x.shape[-1] == channels and strides == (1, 1) else nn.Conv(
+                    channels, (1, 1), strides=strides, name=f"shortcut_{stage}_{block}")(h)
+                h = nn.Conv(channels, (3, 3), strides=strides, padding="SAME",
+                            name=f"conv_{stage}_{block}_a")(h)
+                h = nn.Conv(channels, (3, 3), padding="SAME",
+                            name=f"conv_{stage}_{block}_b")(act(norm(h)))
+                x = shortcut + h
+        x = act(norm(x))
+        x = jnp.mean(x, axis=(-3, -2))  # global average pooling
+        return nn.Dense(self.num_classes, name="head")(x)
+
+
+def build(num_classes: int, knobs: dict, linearized: bool) -> nn.Module:
+    """The registered builder: the ``wrn`` configurable's depth, width, groups and activation
+    (identity for the linearized twin); ``model.*`` knobs are the other models'."""
+    own = WideResNetKnobs()
+    return WideResNet(num_classes, own.depth, own.width, own.groups,
+                      "identity" if linearized else own.activation)
+
+
+def describe_inputs(knobs: dict) -> list:
+    return [dict(what=f"pixels zero-padded at the centre to {SIZE}x{SIZE} and mapped from "
+                      "[0, 1] to [-1, 1]",
+                 why="fixed maps of each example alone: no privacy cost")]
+
+
+models.register_model("wrn", build, features="pixels", describe_inputs=describe_inputs)

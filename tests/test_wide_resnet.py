@@ -1,0 +1,136 @@
+"""Models as plug-ins: the wide ResNet registers itself like a user's model would, trains with
+DP-SGD on Fashion-MNIST padded to 32x32, and a model from a folder outside the repository
+trains from its own gin file and is listed by `dpbench train --help`."""
+
+import json
+import sys
+import textwrap
+from pathlib import Path
+
+import gin
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dpbench import accounting, config, models, train
+from tests.conftest import REPO_ROOT, run_guarded
+
+
+def _wrn_param_count(depth: int, width: int, classes: int = 10, channels: int = 1) -> int:
+    """WRN-depth-width's parameters from its definition (Zagoruyko & Komodakis; GroupNorm's
+    scale and bias where BatchNorm's were): a 3x3 stem to 16 channels, 3 stages of n = (depth
+    - 4) / 6 pre-activation blocks (norm, conv 3x3, norm, conv 3x3) at 16, 32, 64 x width
+    channels, a 1x1 shortcut where the shape changes, a final norm and the linear head."""
+    n, count, c_in = (depth - 4) // 6, 9 * channels * 16 + 16, 16
+    for stage, c in enumerate((16 * width, 32 * width, 64 * width)):
+        for block in range(n):
+            count += 2 * c_in + 9 * c_in * c + c  # norm (on the block's input), conv 3x3
+            count += 2 * c + 9 * c * c + c  # norm, conv 3x3
+            if block == 0 and (c_in != c or stage > 0):  # a channel change or stride 2
+                count += c_in * c + c  # the 1x1 shortcut
+            c_in = c
+    return count + 2 * c_in + c_in * classes + classes  # the final norm and the head
+
+
+@pytest.fixture
+def wrn_knobs():
+    def bind(depth, width):
+        gin.clear_config()
+        gin.parse_config(f"wrn.depth = {depth}\nwrn.width = {width}")
+    yield bind
+    gin.clear_config()
+
+
+def test_wrn_16_4_has_the_reference_size_and_treats_each_example_alone(wrn_knobs):
+    """2.7M parameters (De et al.'s WRN-16-4); 28x28 inputs are the same as the 32x32 ones
+    padded with zeros at the centre; GroupNorm normalizes each example alone (a batch gives
+    each example's own logits)."""
+    wrn_knobs(16, 4)
+    model = models.make_model(10, name="wrn")
+    params = model.init(jax.random.key(0), jnp.zeros((1, 28, 28, 1)))
+    count = sum(x.size for x in jax.tree.leaves(params))
+    assert count == _wrn_param_count(16, 4) and 2.7e6 < count < 2.8e6
+    wrn_knobs(10, 1)
+    model = models.make_model(10, name="wrn")
+    params = model.init(jax.random.key(0), jnp.zeros((1, 28, 28, 1)))
+    assert sum(x.size for x in jax.tree.leaves(params)) == _wrn_param_count(10, 1)
+    x = jnp.asarray(np.random.default_rng().uniform(size=(4, 28, 28, 1)), jnp.float32)
+    padded = jnp.pad(x, [(0, 0), (2, 2), (2, 2), (0, 0)])
+    np.testing.assert_allclose(model.apply(params, x), model.apply(params, padded), atol=1e-5)
+    single = jnp.concatenate([model.apply(params, x[i:i + 1]) for i in range(4)])
+    np.testing.assert_allclose(model.apply(params, x), single, atol=1e-4)
+    with pytest.raises(ValueError, match="wrn.depth must be 6 n \\+ 4"):
+        gin.parse_config("wrn.depth = 12")
+        models.make_model(10, name="wrn")
+
+
+def test_dp_sgd_on_a_wrn_takes_two_steps_on_fashion_mnist_and_says_how(wrn_knobs):
+    """DP-SGD on WRN-10-1 (WRN-16-4's code at test size) x Fashion-MNIST: it compiles, takes
+    two steps with a finite loss, runs materialized per-example gradients and says why
+    (GroupNorm's scale), and its privacy statement's inputs state the padding."""
+    config.parse_config(["pipelines/dpsgd", "gin/data/fashion_mnist.gin",
+                         "gin/model/wrn16_4.gin"],
+                        ["wrn.depth = 10", "wrn.width = 1", "train.batch_size = 16",
+                         "train.micro_batch_size = 16"])
+    _, stages = train.pipeline_stages()
+    run = train.build_run(stages, config.TrainConfig(), accounting.Budget())
+    assert run.model_name == "wrn" and run.compiled.plan.strategy == "materialized"
+    assert "GroupNorm_0/scale" in run.compiled.plan.strategy_reason
+    assert any("zero-padded at the centre to 32x32" in item["what"] for item in run.inputs)
+    state = run.initial_state()
+    for step in range(2):
+        state, metrics = run.compiled.step(state, run.host_batch(step))
+        assert np.isfinite(float(metrics["train_loss"]))
+    assert int(state.step) == 2
+
+
+USER_MODEL = textwrap.dedent('''
+    import dataclasses
+
+    import flax.linen as nn
+    import gin
+
+    from dpbench import models
+
+
+    @gin.configurable("tiny")
+    @dataclasses.dataclass(frozen=True)
+    class TinyKnobs:
+        hidden: int = 8
+
+
+    class Tiny(nn.Module):
+        num_classes: int
+        hidden: int
+
+        @nn.compact
+        def __call__(self, x):
+            x = nn.tanh(nn.Dense(self.hidden)(x.reshape(x.shape[:-3] + (-1,))))
+            return nn.Dense(self.num_classes)(x)
+
+
+    models.register_model("tiny", lambda n, knobs, linearized: Tiny(n, TinyKnobs().hidden))
+''')
+
+
+def test_a_model_from_the_users_own_folder_trains_and_is_listed(tmp_path):
+    """One module (registering the model and its knob) and one gin file, outside the
+    repository: `dpbench train` trains it on digits and its record names it; `dpbench train
+    --help` with that gin file lists it among the models."""
+    (tmp_path / "my_models.py").write_text(USER_MODEL)
+    (tmp_path / "tiny.gin").write_text(
+        "import my_models\ninclude 'pipelines/dpsgd/pipeline.gin'\n"
+        "include 'gin/data/digits.gin'\nmodel.name = 'tiny'\ntiny.hidden = 12\n"
+        "train.epochs = 1\n")
+    command = Path(sys.executable).parent / "dpbench"
+    listed = run_guarded([str(command), "train", "--help", "--gin_file=tiny.gin"], cwd=tmp_path)
+    assert listed.returncode == 0, listed.stderr[-2000:]
+    (line,) = [x for x in listed.stdout.splitlines() if x.startswith("models (model.name):")]
+    assert "tiny" in line.split(":", 1)[1].split(", ") and "wrn" in line
+    trained = run_guarded([str(command), "--gin_file=tiny.gin", "--workdir=run"], cwd=tmp_path)
+    assert trained.returncode == 0, trained.stderr[-3000:]
+    record = json.loads((tmp_path / "run" / "run_record.json").read_text())
+    assert record["model"] == "tiny" and record["epsilon"] <= record["target_epsilon"]
+    assert "tiny.hidden = 12" in (tmp_path / "run" / "operative_config.gin").read_text()
+    assert not (REPO_ROOT / "my_models.py").exists()

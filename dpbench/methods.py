@@ -60,7 +60,15 @@ class Method:
             return str(path)
 
     def search_entry(self, family: str) -> dict:
-        """The protocol entry of this method in ``family``: its pipeline file and its knobs."""
+        """The protocol entry of this method in ``family``: its pipeline file and its knobs
+        (the family's own entry, else ``"*"``). A method.json that lists knobs for other
+        families but neither this one nor ``"*"`` is refused (MethodError): its own knobs would
+        silently vanish from the search."""
+        if self.search and family not in self.search and "*" not in self.search:
+            raise MethodError(
+                f"method {self.name!r} has no search knobs for family {family!r} (its "
+                f"{METHOD_FILE} lists {sorted(self.search)}): add a {family!r} entry, or a "
+                "\"*\" entry that any family without its own uses")
         knobs = self.search.get(family, self.search.get("*", {}))
         return {"gin_file": self.gin_file, **knobs}
 

@@ -155,7 +155,10 @@ def _resolve_methods(path: Path, protocol: dict) -> None:
                 raise ProtocolError(
                     f"{path}: family {family}: no method folder {unknown} under "
                     f"{', '.join(map(str, dirs))}; add the folder's parent to 'method_dirs'")
-            spec["methods"] = {m: found[m].search_entry(family) for m in spec["methods"]}
+            try:
+                spec["methods"] = {m: found[m].search_entry(family) for m in spec["methods"]}
+            except methods.MethodError as e:
+                raise ProtocolError(f"{path}: family {family}: {e}") from e
 
 
 def _check_random_law(path: Path, law: dict, where: str, keys=TRIAL_COUNT_KEYS) -> None:

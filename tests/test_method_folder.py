@@ -114,6 +114,28 @@ def test_a_protocol_names_methods_by_folder_and_refuses_an_unknown_or_doubled_on
         tuning.load_protocol(tmp_path / "protocol.json")
 
 
+def test_a_methods_knobs_resolve_in_a_new_family_or_the_protocol_is_refused(tmp_path):
+    """dpbench's own methods keep their search knobs in any family ("*"): GEP's num_basis and
+    Nasr's regime do not vanish in a new model family (e.g. the WRN's). A method whose
+    method.json lists knobs for some families, none for this one and no "*", is refused at
+    load, naming the method and the family."""
+    found = methods.discover()
+    for name, method in found.items():
+        entry = method.search_entry("fashion_mnist__wrn16_4")
+        assert entry["gin_file"] == f"pipelines/{name}/pipeline.gin"
+    assert "gep.embed_and_clip.num_basis" in found["gep"].search_entry(
+        "fashion_mnist__wrn16_4")["space"]
+    assert found["nasr"].search_entry("fashion_mnist__wrn16_4")["space"][
+        "optimize.optax.optimizer"] == {"value": "sgd"}
+    make_method(tmp_path)
+    only_tanh = dict(METHOD, search={"fashion_mnist__tanh_cnn": METHOD["search"]["*"]})
+    (tmp_path / "my_methods" / "halfclip" / "method.json").write_text(json.dumps(only_tanh))
+    with pytest.raises(protocol.ProtocolError,
+                       match="method 'halfclip' has no search knobs for family "
+                             "'digits__logistic'.*fashion_mnist__tanh_cnn.*\"\*\""):
+        tuning.load_protocol(tmp_path / "protocol.json")
+
+
 @pytest.mark.parametrize("q,sigma,steps", [
     (0.01, 1.0, 200),
     (0.197, 1.19, 6),  # a run whose RDP is infinite at small orders (0 x inf once gave eps 0)

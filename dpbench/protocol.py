@@ -49,33 +49,6 @@ class ProtocolError(ValueError):
     """A protocol file dpbench cannot run; the message says what to change."""
 
 
-def check_trials(method: str, gin_files, trials, run_bindings) -> None:
-    """Before anything is written or trained: every trial of ``method`` parses with gin
-    exactly as its run will (its gin files, its bindings, then ``run_bindings``), so a
-    misspelled key is refused here, not as a failed trial; and the pipeline those files name
-    is ``method`` (the board ranks records by their pipeline's name); and trial 0's stages that
-    are not dpbench's own pass their declaration checks (each trial's run checks its own)."""
-    from dpbench import config, stage_check  # here: reading a protocol needs neither
-
-    for t, bindings in enumerate(trials):
-        try:
-            config.parse_config(list(gin_files), [*bindings, *run_bindings])
-            name, _ = config.pipeline_stages()
-        except (config.ConfigError, ValueError, TypeError) as e:
-            raise ProtocolError(f"method {method!r}, trial {t}: its settings do not parse "
-                                f"({e}); fix the key in the protocol") from e
-        if name != method:
-            raise ProtocolError(
-                f"method {method!r} runs {gin_files[0]}, whose pipeline.name is {name!r}: a "
-                f"protocol's method key must be its pipeline's name (the board ranks records "
-                f"by it); rename the key to {name!r} or set pipeline.name = '{method}'")
-    config.parse_config(list(gin_files), [*trials[0], *run_bindings])
-    try:
-        stage_check.verify_pipeline(config.pipeline_stages()[1])
-    except stage_check.StageCheckError as e:
-        raise ProtocolError(f"method {method!r}: {e}") from e
-
-
 SPEC_EXTRAS = ("privacy", "over", "times", "source", "at_epsilon")
 
 

@@ -114,25 +114,6 @@ def tree_sha256(tree) -> str:
     return digest.hexdigest()
 
 
-def stage_sources(stage_names) -> list:
-    """Provenance of every stage of a run that is not one of dpbench's own: its registered
-    name, the module that defines it, that module's file and the file's sha256 (a user's stage
-    lives outside the repo, so the git commit does not pin it)."""
-    import inspect
-
-    from dpbench.stages.base import registered_stage  # here: records is plain Python otherwise
-
-    out = []
-    for name in dict.fromkeys(stage_names):
-        module = inspect.getmodule(inspect.unwrap(registered_stage(name)))
-        if module is None or module.__name__.split(".")[0] == "dpbench":
-            continue
-        path = Path(inspect.getsourcefile(module) or module.__file__).resolve()
-        out.append(dict(stage=name, module=module.__name__, path=str(path),
-                        sha256=hashlib.sha256(path.read_bytes()).hexdigest()))
-    return out
-
-
 def git_dirty(root: Path | None = None) -> bool | None:
     """Whether dpbench's checkout (or ``root``) has uncommitted changes to tracked files (None
     outside git): a dirty tree's records are not reproduced by their git_commit alone."""
@@ -204,7 +185,7 @@ def privacy_statement(*, epsilon: float, delta: float, mechanisms: list, sampler
     non-private diagnostics, ...); ``inputs`` lists, the same way, what is done to each
     example before the model's first learned layer (feature transforms, per-example
     normalization) and why it costs nothing; ``outside_stages`` lists the stages that are not
-    dpbench's own (``stage_sources`` with the checks they passed): the epsilon rests on their
+    dpbench's own (``stage_check.stage_sources`` with the checks they passed): the epsilon rests on their
     declarations, which dpbench checks on synthetic data but cannot prove; ``seed_secret``: the
     run drew its seed from OS entropy and wrote it nowhere (``train.seed = None``).
     """

@@ -30,6 +30,8 @@ twins that must fail them.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -311,11 +313,27 @@ def verify_stage(stage: stages.Stage) -> list:
         ("elementwise", check_elementwise_declaration(h))) if ran]
 
 
+def stage_sources(stage_names) -> list:
+    """Provenance of every stage of a run that is not one of dpbench's own: its registered
+    name, the module that defines it, that module's file and the file's sha256 (a user's stage
+    lives outside the repo, so the git commit does not pin it)."""
+    import inspect
+
+    out = []
+    for name in dict.fromkeys(stage_names):
+        module = inspect.getmodule(inspect.unwrap(stages.base.registered_stage(name)))
+        if module is None or module.__name__.split(".")[0] == "dpbench":
+            continue
+        path = Path(inspect.getsourcefile(module) or module.__file__).resolve()
+        out.append(dict(stage=name, module=module.__name__, path=str(path),
+                        sha256=hashlib.sha256(path.read_bytes()).hexdigest()))
+    return out
+
+
 def unverified_stages(stage_list) -> list:
     """The stages of a pipeline not defined by dpbench (their declarations are verified before
     training; dpbench's own are verified by its tests)."""
-    from dpbench import records
-    foreign = {s["stage"] for s in records.stage_sources([s.name for s in stage_list])}
+    foreign = {s["stage"] for s in stage_sources([s.name for s in stage_list])}
     return [s for s in stage_list if s.name in foreign]
 
 

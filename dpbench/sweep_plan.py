@@ -12,6 +12,33 @@ from dpbench import tuning
 SEARCH_FILE = tuning.SEARCH_FILE
 
 
+def check_trials(method: str, gin_files, trials, run_bindings) -> None:
+    """Before anything is written or trained: every trial of ``method`` parses with gin
+    exactly as its run will (its gin files, its bindings, then ``run_bindings``), so a
+    misspelled key is refused here, not as a failed trial; and the pipeline those files name
+    is ``method`` (the board ranks records by their pipeline's name); and trial 0's stages that
+    are not dpbench's own pass their declaration checks (each trial's run checks its own)."""
+    from dpbench import config, stage_check
+
+    for t, bindings in enumerate(trials):
+        try:
+            config.parse_config(list(gin_files), [*bindings, *run_bindings])
+            name, _ = config.pipeline_stages()
+        except (config.ConfigError, ValueError, TypeError) as e:
+            raise tuning.ProtocolError(f"method {method!r}, trial {t}: its settings do not parse "
+                                f"({e}); fix the key in the protocol") from e
+        if name != method:
+            raise tuning.ProtocolError(
+                f"method {method!r} runs {gin_files[0]}, whose pipeline.name is {name!r}: a "
+                f"protocol's method key must be its pipeline's name (the board ranks records "
+                f"by it); rename the key to {name!r} or set pipeline.name = '{method}'")
+    config.parse_config(list(gin_files), [*trials[0], *run_bindings])
+    try:
+        stage_check.verify_pipeline(config.pipeline_stages()[1])
+    except stage_check.StageCheckError as e:
+        raise tuning.ProtocolError(f"method {method!r}: {e}") from e
+
+
 def support_event(gin_files, bindings) -> dict:
     """The DpEvent (JSON) a run with these settings would have, from the compiler's own
     accounting; nothing trains."""
@@ -78,7 +105,7 @@ def plan_group(protocol: dict, family: str, epsilon: float, methods, workers: in
             gin_files=gin_files, support=[],
             trials=tuning.trial_bindings(protocol, family, group, method, num_random,
                                          rng=secret_rng))
-        tuning.check_trials(method, gin_files, plan["methods"][method]["trials"],
+        check_trials(method, gin_files, plan["methods"][method]["trials"],
                             [*budget_bindings, "train.seed = 0"])
     events = support_events([(g, [*b, *budget_bindings]) for _, g, b in tasks], workers)
     for (method, _, bindings), event in zip(tasks, events):

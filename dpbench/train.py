@@ -343,7 +343,7 @@ def _run_record(loop: _Loop, state, progress: Progress, pipeline_name: str, gin_
     epsilon = compiled.epsilon_after(end_step)
     steady = progress.interval_step_s[1:] or progress.interval_step_s  # first holds compile
     sources = [dict(source, checks_passed=verified[source["stage"]])  # what dpbench verified
-               for source in records.stage_sources(s.name for s in compiled.plan.stages)]
+               for source in stage_check.stage_sources(s.name for s in compiled.plan.stages)]
     return dict(
         pipeline=pipeline_name, gin_files=list(gin_files), stages=compiled.plan.facts(),
         dataset=dataset.name, features=dataset.features, model=run.model_name,

@@ -47,8 +47,7 @@ from dpbench import accounting
 
 # The protocol file's reading and checks, and what each trial binds (re-exported: sweep and
 # tests reach them here).
-from dpbench.protocol import (ProtocolError, at_epsilon, check_trials,  # noqa: F401
-                              load_protocol)
+from dpbench.protocol import ProtocolError, at_epsilon, load_protocol  # noqa: F401
 from dpbench.search_space import (binding, method_space, privacy_key,  # noqa: F401
                                   privacy_support, shared_draw, stable_seed, trial_bindings)
 

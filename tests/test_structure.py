@@ -110,3 +110,33 @@ def test_no_stage_imports_the_compiler_or_the_board(tmp_path):
     broken.write_text("from dpbench.compiler import bookkeeping\nimport dpbench.board.render\n")
     assert _upward(_imports(broken, modules)) == ["dpbench.board.render",
                                                   "dpbench.compiler.bookkeeping"]
+
+
+def _reachable(graph: dict, start: str) -> set:
+    seen, todo = set(), [start]
+    while todo:
+        node = todo.pop()
+        for nxt in graph.get(node, ()):
+            if nxt not in seen:
+                seen.add(nxt)
+                todo.append(nxt)
+    return seen
+
+
+# What the board must never reach: it reads records, so it needs no compiler, stage, model,
+# training or sweep code (and a board rebuild never pays their imports).
+NOT_FOR_THE_BOARD = ("dpbench.compiler", "dpbench.stages", "dpbench.train", "dpbench.run",
+                     "dpbench.sweep", "dpbench.models", "dpbench.wide_resnet", "dpbench.data")
+
+
+def test_the_board_reads_records_without_the_compiler_transitively():
+    modules = _modules()
+    graph = {name: _imports(path, modules) - {name} for name, path in modules.items()}
+
+    def reached():
+        return {m for b in modules if b.startswith("dpbench.board")
+                for m in _reachable(graph, b) if m.startswith(NOT_FOR_THE_BOARD)}
+    assert reached() == set()
+    # the check can fail: one made-up import two floors down is found
+    graph["dpbench.tuning"] = graph["dpbench.tuning"] | {"dpbench.compiler.pipeline"}
+    assert "dpbench.compiler.pipeline" in reached()

@@ -4,6 +4,14 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 extras="${1:-}"
+# DPBENCH_CUDA=12 or 13: also install the CUDA build of the pinned JAX (jax[cudaN], NVIDIA's
+# libraries from PyPI; needs an NVIDIA driver for that CUDA major version)
+cuda="${DPBENCH_CUDA:-}"
+case "$cuda" in
+  ""|12|13) ;;
+  *) echo "install.sh: DPBENCH_CUDA must be 12 or 13 (the CUDA major version of the" \
+       "machine's driver), got '$cuda'" >&2; exit 2 ;;
+esac
 
 PY="${PYTHON:-python3}"
 SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
@@ -27,5 +35,10 @@ quiet_pip() { .venv/bin/python -m pip "$@" 2>&1 | { grep -v "^WARNING: Location"
 quiet_pip install -q --upgrade pip
 # Exact versions from tools/constraints.txt: results (and the golden test) are bit-reproducible.
 quiet_pip install -q -c tools/constraints.txt -e ".${extras}"
+if [ -n "$cuda" ]; then
+  jax_version=$(grep -E '^jax==' tools/constraints.txt | cut -d= -f3)
+  quiet_pip install -q "jax[cuda${cuda}]==${jax_version}"
+  .venv/bin/python -c "import jax; print('install.sh: JAX sees', jax.devices())"
+fi
 .venv/bin/python -c "import dpbench, jax, dp_accounting, gin, optax, flax" \
   || { echo "install.sh: dpbench did not install" >&2; exit 1; }

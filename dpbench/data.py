@@ -24,7 +24,6 @@ import numpy as np
 
 from dpbench import features as features_lib
 
-KNOWN_DATASETS = ("fashion_mnist", "digits", "mnist", "cifar10", "svhn_cropped")
 FASHION_MNIST_DIR = "/usr/share/datasets/fashion-mnist"
 FASHION_MNIST_FILES = {
     "train_images": "train-images-idx3-ubyte.gz", "train_labels": "train-labels-idx1-ubyte.gz",
@@ -165,31 +164,71 @@ def _load_digits():
     return images[train], labels[train], images[test], labels[test], 10
 
 
-def _load_raw(name: str, data_dir: Optional[str]):
-    """Returns the ORIGINAL (train_x, train_y, test_x, test_y, num_classes) of ``name``."""
-    if name == "digits":
-        return _load_digits()
-    if name == "fashion_mnist":
-        directory = Path(data_dir or FASHION_MNIST_DIR)
-        if all((directory / f).exists() for f in FASHION_MNIST_FILES.values()):
-            return _load_fashion_mnist_idx(directory)
-        try:
-            return _load_via_tfds(name)
-        except Exception as e:  # noqa: BLE001 (any TFDS failure means: no data available)
-            raise FileNotFoundError(
-                f"Fashion-MNIST IDX files not found in {directory} and TFDS could not load "
-                f"'fashion_mnist' ({type(e).__name__}: {e}). Run `apt-get install -y "
-                "dataset-fashion-mnist` (puts the IDX files in /usr/share/datasets/"
-                "fashion-mnist), or pass dataset.data_dir=... (a directory holding the four "
-                "IDX .gz files), or let TFDS download 'fashion_mnist' on a machine with "
-                "network access") from e
+def _load_fashion_mnist(data_dir: Optional[str]):
+    """Debian's IDX files (``dataset-fashion-mnist``) in ``data_dir``, else TFDS."""
+    directory = Path(data_dir or FASHION_MNIST_DIR)
+    if all((directory / f).exists() for f in FASHION_MNIST_FILES.values()):
+        return _load_fashion_mnist_idx(directory)
     try:
-        return _load_via_tfds(name, data_dir)
-    except Exception as e:  # noqa: BLE001
+        return _load_via_tfds("fashion_mnist")
+    except Exception as e:  # noqa: BLE001 (any TFDS failure means: no data available)
         raise FileNotFoundError(
-            f"could not load TFDS dataset '{name}' ({type(e).__name__}: {e}); TFDS needs "
-            f"network access to download '{name}' once (or an already prepared TFDS "
-            "data directory, dataset.data_dir=...)") from e
+            f"Fashion-MNIST IDX files not found in {directory} and TFDS could not load "
+            f"'fashion_mnist' ({type(e).__name__}: {e}). Run `apt-get install -y "
+            "dataset-fashion-mnist` (puts the IDX files in /usr/share/datasets/"
+            "fashion-mnist), or pass dataset.data_dir=... (a directory holding the four "
+            "IDX .gz files), or let TFDS download 'fashion_mnist' on a machine with "
+            "network access") from e
+
+
+def _tfds_loader(name: str):
+    def load(data_dir: Optional[str]):
+        try:
+            return _load_via_tfds(name, data_dir)
+        except Exception as e:  # noqa: BLE001
+            raise FileNotFoundError(
+                f"could not load TFDS dataset '{name}' ({type(e).__name__}: {e}); TFDS needs "
+                f"network access to download '{name}' once (or an already prepared TFDS "
+                "data directory, dataset.data_dir=...)") from e
+    return load
+
+
+_LOADERS: dict = {}
+
+
+def register_dataset(name: str, load) -> None:
+    """Registers a dataset under ``name`` (``dataset.name = '<name>'``): ``load(data_dir)``
+    returns (train_images, train_labels, test_images, test_labels, num_classes), images as
+    float32 (N, H, W, C) in [0, 1] and labels as integers in [0, num_classes). A module of the
+    user's own registers one the same way, imported by their gin file."""
+    _LOADERS[name] = load
+
+
+def registered_datasets() -> tuple:
+    return tuple(sorted(_LOADERS))
+
+
+register_dataset("digits", lambda data_dir: _load_digits())
+register_dataset("fashion_mnist", _load_fashion_mnist)
+for _name in ("mnist", "cifar10", "svhn_cropped"):  # through TFDS, for users with network
+    register_dataset(_name, _tfds_loader(_name))
+
+
+def _load_raw(name: str, data_dir: Optional[str]):
+    """Returns the ORIGINAL (train_x, train_y, test_x, test_y, num_classes) of ``name``, as its
+    registered loader gives it, checked."""
+    train_x, train_y, test_x, test_y, num_classes = _LOADERS[name](data_dir)
+    for what, x, y in (("train", train_x, train_y), ("test", test_x, test_y)):
+        x, y = np.asarray(x), np.asarray(y)
+        if x.ndim != 4 or x.dtype != np.float32 or len(x) != len(y) or y.ndim != 1 or \
+                not np.issubdtype(y.dtype, np.integer) or (y.size and (
+                    y.min() < 0 or y.max() >= num_classes)):
+            raise ValueError(
+                f"dataset {name!r}'s loader returned {what} images {x.shape} {x.dtype} and "
+                f"labels {y.shape} {y.dtype}: it must give float32 (N, H, W, C) images and N "
+                f"integer labels in [0, {num_classes})")
+    return (np.asarray(train_x), np.asarray(train_y).astype(np.int32), np.asarray(test_x),
+            np.asarray(test_y).astype(np.int32), int(num_classes))
 
 
 def _featurized(name: str, raw: tuple, features: str, cache_dir: Optional[str]) -> tuple:
@@ -225,9 +264,10 @@ def load_dataset(name: str = gin.REQUIRED, data_dir: Optional[str] = None,
     Raises ValueError for an unknown name, features or bad sizes, FileNotFoundError if no data
     is found.
     """
-    if name not in KNOWN_DATASETS:
-        raise ValueError(f"unknown dataset {name!r}; known: {', '.join(KNOWN_DATASETS)} "
-                         "(set dataset.name)")
+    if name not in _LOADERS:
+        raise ValueError(f"unknown dataset {name!r}; known: {', '.join(registered_datasets())} "
+                         "(set dataset.name; a dataset of your own registers itself with "
+                         "dpbench.data.register_dataset, its module imported by your gin file)")
     for param, value in (("validation_size", validation_size), ("public_size", public_size)):
         if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
             raise ValueError(f"dataset.{param} must be an integer >= 0, got {value!r}")

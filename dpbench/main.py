@@ -122,9 +122,9 @@ def run():
 
 
 def _registered_help(rest: list) -> int:
-    """The models and stages a gin file may name: dpbench's own, and, with --gin_file given,
-    those its ``import`` lines register (a user's plug-ins)."""
-    from dpbench import models
+    """The models, datasets and stages a gin file may name: dpbench's own, and, with
+    --gin_file given, those its ``import`` lines register (a user's plug-ins)."""
+    from dpbench import data, models
     from dpbench.stages.base import registered_stage_names
     gin_files = [a.split("=", 1)[1] for a in rest if a.startswith("--gin_file=")]
     if gin_files:
@@ -134,6 +134,7 @@ def _registered_help(rest: list) -> int:
             print(f"dpbench: error: {e}", file=sys.stderr)
             return config.BAD_INPUT_EXIT
     print("models (model.name):", ", ".join(models.registered_models()))
+    print("datasets (dataset.name):", ", ".join(data.registered_datasets()))
     print("stages:", ", ".join(registered_stage_names()))
     return 0
 

@@ -142,9 +142,20 @@ def test_corrupt_idx_files_are_named(tmp_path):
 
 
 def test_unknown_name_and_bad_sizes_say_what_to_change():
-    with pytest.raises(ValueError, match="unknown dataset 'cifar100'; known: fashion_mnist, "
-                                         "digits, mnist, cifar10, svhn_cropped"):
+    with pytest.raises(ValueError, match="unknown dataset 'cifar100'; known: cifar10, digits, "
+                                         "fashion_mnist, mnist, svhn_cropped .*register_dataset"):
         data.load_dataset("cifar100")
+
+
+def test_a_registered_loader_that_returns_bad_arrays_is_refused_with_what_it_must_give():
+    data.register_dataset("broken_for_test", lambda data_dir: (
+        np.zeros((10, 8, 8), np.float32), np.zeros(10, np.int32),
+        np.zeros((5, 8, 8, 1), np.float32), np.zeros(5, np.int32), 2))
+    try:
+        with pytest.raises(ValueError, match="must give float32 \\(N, H, W, C\\) images"):
+            data.load_dataset("broken_for_test", validation_size=2)
+    finally:
+        data._LOADERS.pop("broken_for_test")
     with pytest.raises(ValueError, match="validation_size"):
         data.load_dataset("digits", validation_size=-1)
     with pytest.raises(ValueError, match="public_size"):

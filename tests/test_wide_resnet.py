@@ -90,8 +90,9 @@ USER_MODEL = textwrap.dedent('''
 
     import flax.linen as nn
     import gin
+    import numpy as np
 
-    from dpbench import models
+    from dpbench import data, models
 
 
     @gin.configurable("tiny")
@@ -111,26 +112,42 @@ USER_MODEL = textwrap.dedent('''
 
 
     models.register_model("tiny", lambda n, knobs, linearized: Tiny(n, TinyKnobs().hidden))
+
+
+    def blobs(data_dir):
+        """Two classes of 8x8 images: bright top half or bright bottom half, plus noise."""
+        rng = np.random.default_rng(0)
+        labels = rng.integers(0, 2, 700)
+        images = rng.uniform(0, 0.3, (700, 8, 8, 1)).astype(np.float32)
+        for i, label in enumerate(labels):
+            images[i, 4 * label:4 * label + 4] += 0.6
+        return images[:600], labels[:600], images[600:], labels[600:], 2
+
+
+    data.register_dataset("blobs", blobs)
 ''')
 
 
-def test_a_model_from_the_users_own_folder_trains_and_is_listed(tmp_path):
-    """One module (registering the model and its knob) and one gin file, outside the
-    repository: `dpbench train` trains it on digits and its record names it; `dpbench train
-    --help` with that gin file lists it among the models."""
+def test_a_model_and_a_dataset_from_the_users_own_folder_train_and_are_listed(tmp_path):
+    """One module (registering a model with its knob, and a dataset) and one gin file, outside
+    the repository: `dpbench train` trains the model on the dataset and its record names both;
+    `dpbench train --help` with that gin file lists them."""
     (tmp_path / "my_models.py").write_text(USER_MODEL)
     (tmp_path / "tiny.gin").write_text(
         "import my_models\ninclude 'pipelines/dpsgd/pipeline.gin'\n"
-        "include 'gin/data/digits.gin'\nmodel.name = 'tiny'\ntiny.hidden = 12\n"
-        "train.epochs = 1\n")
+        "dataset.name = 'blobs'\ndataset.validation_size = 100\n"
+        "model.name = 'tiny'\ntiny.hidden = 12\ntrain.epochs = 2\ntrain.batch_size = 100\n")
     command = Path(sys.executable).parent / "dpbench"
     listed = run_guarded([str(command), "train", "--help", "--gin_file=tiny.gin"], cwd=tmp_path)
     assert listed.returncode == 0, listed.stderr[-2000:]
     (line,) = [x for x in listed.stdout.splitlines() if x.startswith("models (model.name):")]
-    assert "tiny" in line.split(":", 1)[1].split(", ") and "wrn" in line
+    assert "tiny" in line.split(":", 1)[1].strip().split(", ") and "wrn" in line
+    (line,) = [x for x in listed.stdout.splitlines() if x.startswith("datasets (dataset.name):")]
+    assert "blobs" in line.split(":", 1)[1].strip().split(", ") and "fashion_mnist" in line
     trained = run_guarded([str(command), "--gin_file=tiny.gin", "--workdir=run"], cwd=tmp_path)
     assert trained.returncode == 0, trained.stderr[-3000:]
     record = json.loads((tmp_path / "run" / "run_record.json").read_text())
-    assert record["model"] == "tiny" and record["epsilon"] <= record["target_epsilon"]
+    assert record["model"] == "tiny" and record["dataset"] == "blobs"
+    assert record["dataset_size"] == 500 and record["epsilon"] <= record["target_epsilon"]
     assert "tiny.hidden = 12" in (tmp_path / "run" / "operative_config.gin").read_text()
     assert not (REPO_ROOT / "my_models.py").exists()

@@ -32,6 +32,7 @@ import dataclasses
 import math
 import sys
 import time
+from pathlib import Path
 from typing import NamedTuple, Sequence
 
 import jax
@@ -292,6 +293,13 @@ def define_flags() -> None:
                        "the config's budget.delta, e.g. DELTA in gin/data/digits.gin).")
     flags.DEFINE_integer("audit_seed", 0, "Seed of the audit's data, keys and assignment.")
     flags.DEFINE_string("out", None, "Write the audit report (JSON) here.")
+    flags.DEFINE_bool("board", False, "Audit the board's column instead: every method of "
+                      "--protocol at every epsilon it declares, as each method.json says, one "
+                      "report per (method, epsilon) in --audits_dir.")
+    flags.DEFINE_string("protocol", str(config.REPO_ROOT / "leaderboard" / "protocol.json"),
+                        "With --board: the protocol whose methods and epsilons are audited.")
+    flags.DEFINE_string("audits_dir", None, "With --board: where the reports go (default: "
+                        "the audits/ folder beside --protocol).")
 
 
 def _configured_delta() -> float:
@@ -303,28 +311,20 @@ def _configured_delta() -> float:
                                  "--gin_bindings='DELTA = 1e-5') or give --audit_delta") from e
 
 
-def audit_main(argv) -> None:
-    """``dpbench audit --gin_file=pipelines/X.gin [--gin_bindings=...]``: prints (and with
-    --out writes) the report; exits 1 when the audit flags the pipeline, 2 on bad input."""
-    del argv
-    if not FLAGS.gin_file:
-        raise app.UsageError("give --gin_file, e.g. pipelines/dpsgd/pipeline.gin",
-                             exitcode=config.BAD_INPUT_EXIT)
-    try:
-        config.parse_config(FLAGS.gin_file, list(FLAGS.gin_bindings) + list(AUDIT_BINDINGS))
-        name, stages = config.pipeline_stages()
-        result = run_audit(stages, claimed_epsilon=FLAGS.claimed_epsilon,
-                           delta=_configured_delta() if FLAGS.audit_delta is None
-                           else FLAGS.audit_delta, trials=FLAGS.trials, seed=FLAGS.audit_seed)
-    except (config.ConfigError, compiler.PipelineError, accounting.BudgetError, ValueError) as e:
-        print(f"dpbench: error: {e}", file=sys.stderr)
-        sys.exit(2)
-    report = dict(pipeline=name, gin_files=list(FLAGS.gin_file),
-                  gin_bindings=list(FLAGS.gin_bindings), audit_settings=list(AUDIT_BINDINGS),
-                  **result.to_dict(), versions=records.versions())
+def _audit_one(gin_files, bindings, claimed_epsilon: float, delta, out) -> bool:
+    """One pipeline's audit: parses its config, runs it, writes (``out``) and prints the
+    report; returns whether it flagged. Bad input raises (``audit_main`` exits 2)."""
+    config.parse_config(list(gin_files), list(bindings) + list(AUDIT_BINDINGS))
+    name, stages = config.pipeline_stages()
+    result = run_audit(stages, claimed_epsilon=claimed_epsilon,
+                       delta=_configured_delta() if delta is None else delta,
+                       trials=FLAGS.trials, seed=FLAGS.audit_seed)
+    report = dict(pipeline=name, gin_files=list(gin_files), gin_bindings=list(bindings),
+                  audit_settings=list(AUDIT_BINDINGS), **result.to_dict(),
+                  versions=records.versions())
     text = records.to_json(report)
-    if FLAGS.out:
-        records.atomic_write_text(FLAGS.out, text)
+    if out:
+        records.atomic_write_text(out, text)
     print(text)
     logging.info("audit of %s: claimed epsilon %.3f, eps_lb %.3f (confidence %.2f), "
                  "parametric epsilon %.3f (lower bound %.3f)%s", name, result.claimed_epsilon,
@@ -334,6 +334,36 @@ def audit_main(argv) -> None:
     if result.flagged:  # the report is written first: it is the evidence
         print(f"dpbench: audit of {name} FLAGGED (its measured epsilon exceeds the claim "
               f"{result.claimed_epsilon:.3f}): " + "; ".join(result.reasons), file=sys.stderr)
+    return result.flagged
+
+
+def audit_main(argv) -> None:
+    """``dpbench audit --gin_file=pipelines/X.gin [--gin_bindings=...]``: prints (and with
+    --out writes) the report; ``dpbench audit --board``: the board's column (audit_board.py).
+    Exits 1 when an audit flags, 2 on bad input."""
+    del argv
+    bad = (config.ConfigError, compiler.PipelineError, accounting.BudgetError, ValueError)
+    if FLAGS.board:
+        from dpbench import audit_board
+        protocol = Path(FLAGS.protocol)
+        try:
+            sys.exit(audit_board.run_board(
+                protocol, FLAGS.audits_dir or protocol.parent / "audits",
+                lambda gin_file, bindings, eps, delta, out: _audit_one(
+                    [gin_file], bindings, eps, delta, out)))
+        except bad as e:
+            print(f"dpbench: error: {e}", file=sys.stderr)
+            sys.exit(2)
+    if not FLAGS.gin_file:
+        raise app.UsageError("give --gin_file, e.g. pipelines/dpsgd/pipeline.gin (or --board)",
+                             exitcode=config.BAD_INPUT_EXIT)
+    try:
+        flagged = _audit_one(FLAGS.gin_file, FLAGS.gin_bindings, FLAGS.claimed_epsilon,
+                             FLAGS.audit_delta, FLAGS.out)
+    except bad as e:
+        print(f"dpbench: error: {e}", file=sys.stderr)
+        sys.exit(2)
+    if flagged:
         sys.exit(1)
 
 

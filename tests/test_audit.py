@@ -153,3 +153,35 @@ def test_cli_exits_non_zero_when_the_audit_flags_and_still_writes_the_report(tmp
     assert "FLAGGED" in proc.stderr and "dpbench: audit of dpsgd" in proc.stderr
     report = json.loads(out.read_text())
     assert report["flagged"] is True and report["delta"] == 1e-6  # the flag overrides
+
+
+def test_the_board_audit_reads_its_methods_and_epsilons_from_the_protocol(tmp_path):
+    """`dpbench audit --board`: every method the protocol lists (a researcher's own from its
+    method_dirs too), at every epsilon it declares and at its delta, one report each; a method
+    whose method.json says "skip" is named and left out. Nothing is written twice: the
+    epsilons come from the protocol."""
+    from tests.test_method_folder import METHOD, make_method
+    make_method(tmp_path)
+    protocol = json.loads((tmp_path / "protocol.json").read_text())
+    protocol["epsilons"] = [2.0]
+    (tmp_path / "protocol.json").write_text(json.dumps(protocol))
+    proc = run_guarded(
+        [sys.executable, "-c", "from dpbench.main import run; run()", "audit", "--board",
+         f"--protocol={tmp_path / 'protocol.json'}", "--trials=200"], cwd=REPO_ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    written = sorted(p.name for p in (tmp_path / "audits").iterdir())
+    assert written == ["dpsgd-eps2.json", "halfclip-eps2.json"]
+    for name in ("dpsgd", "halfclip"):
+        report = json.loads((tmp_path / "audits" / f"{name}-eps2.json").read_text())
+        assert report["pipeline"] == name and report["delta"] == protocol["delta"]
+        assert report["claimed_epsilon"] <= 2.0 + 1e-9 and not report["flagged"]
+    (tmp_path / "my_methods" / "halfclip" / "method.json").write_text(json.dumps(dict(
+        METHOD, audit={"skip": "made up for this test"})))
+    proc = run_guarded(
+        [sys.executable, "-c", "from dpbench.main import run; run()", "audit", "--board",
+         f"--protocol={tmp_path / 'protocol.json'}", "--trials=200",
+         f"--audits_dir={tmp_path / 'again'}"], cwd=REPO_ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "not audited: halfclip (made up for this test)" in proc.stdout
+    assert sorted(p.name for p in (tmp_path / "again").iterdir()) == ["dpsgd-eps2.json"]
+

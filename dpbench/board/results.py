@@ -189,7 +189,7 @@ def _mean_std(values):
 
 def load_audits(directory) -> dict:
     """(pipeline name, claimed epsilon to 2 decimals) -> audit report (``dpbench audit
-    --claimed_epsilon=E --out=<dir>/<pipeline>-eps<E>.json``, see tools/audit_board.py). The
+    --claimed_epsilon=E --out=<dir>/<pipeline>-eps<E>.json``, see ``dpbench audit --board``). The
     claim is the compiler's calibrated epsilon, just below the target, hence the rounding."""
     out = {}
     if directory is None or not Path(directory).is_dir():

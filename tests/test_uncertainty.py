@@ -169,13 +169,18 @@ def test_the_interval_reports_its_monte_carlo_error_p_value_and_detectable_gain(
     t law's two-sided tail at gain / s.e., the minimum detectable gain is (1.96 + 0.84) s.e.,
     and the ends' Monte Carlo error shrinks like 1/sqrt(draws)."""
     rng = np.random.default_rng()
-    a, b = np.full(50, 0.8), np.full(50, 0.8)
-    a[::2], b[::2] = 0.79, 0.812  # s.d. ~0.005 each, gain 0.001; Welch df ~98
+    a = np.full(50, 0.8)
+    a[::2] = 0.79  # s.d. 0.00505
+    b = a + 0.002  # the same spread, gain 0.002 = 1.98 s.e.: p near 0.05; Welch df 98
     gain, se, df = uncertainty.welch(a, b)
     got = uncertainty.gain_interval(a, b, np.zeros(100_000), 0.0, rng=rng)
     want_p = 2 * scipy.stats.t.sf(abs(gain) / se, df)
-    # 100,000 draws: the p-value's binomial sd is <= 0.0016; 5 sds: false failures 6e-7
-    assert got["p_value"] == pytest.approx(want_p, abs=0.008)
+    assert 0.03 < want_p < 0.07  # a p-value the check can miss, not one pinned at its floor
+    # 100,000 draws: the p-value's binomial sd is 0.0007 here; 0.004 is 5.8 sds: false
+    # failures 7e-9; a p-value off by a factor 2 (one-sided) fails
+    assert got["p_value"] == pytest.approx(want_p, abs=0.004)
+    assert got["p_mc_error"] == pytest.approx(np.sqrt(want_p * (1 - want_p / 2) * 2 / 1e5),
+                                              rel=0.2)
     sd = np.sqrt(df / (df - 2)) * se  # the t law's s.d.
     # the sample s.d. of 100,000 draws of a t_98 law: relative sd ~0.0023; 2% is 8.7 sds
     assert got["mde"] == pytest.approx((1.959964 + 0.841621) * sd, rel=0.02)

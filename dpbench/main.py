@@ -70,7 +70,8 @@ COMMANDS = {
     "audit": "audit a pipeline's compiled step with a canary: an empirical epsilon lower bound",
     "check": "verify the privacy declarations of a pipeline's own stages on synthetic data "
              "(train and sweep run it first)",
-    "sweep": "run the board's tuning protocol on Ray Tune (the [sweep] extra)",
+    "sweep": "run the board's tuning protocol on Ray Tune (the [sweep] extra); modes: run, "
+             "prepare, secret, progress, cost",
     "board": "render the leaderboard from run records (also `dpbench leaderboard`)",
 }
 

@@ -204,9 +204,26 @@ def _run_secret(plans, args, private: Path, t0: float) -> int:
     return 1 if failed else 0
 
 
+# ``dpbench sweep MODE [flags]``: each mode is the flag it stands for (the flags still work)
+MODES = {"run": [], "prepare": ["--prepare_only"], "secret": ["--secret_trial_count"],
+         "progress": ["--progress"], "cost": ["--cost"]}
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    """The sweep's arguments; a first argument naming a mode (``MODES``) stands for its flag."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in MODES:
+        argv = MODES[argv[0]] + argv[1:]
+    return _parser().parse_args(argv)
+
+
 def _parser():
-    parser = argparse.ArgumentParser(prog="dpbench sweep", description=__doc__.split("\n")[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="dpbench sweep", usage="dpbench sweep [run|prepare|secret|progress|cost] [flags]",
+        description=__doc__.split("\n")[0] + " Modes: run (the default: search, then the "
+        "winners' seeds), prepare (= --prepare_only), secret (= --secret_trial_count), "
+        "progress (= --progress), cost (= --cost).",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--protocol", type=Path, default=REPO / "leaderboard" / "protocol.json",
                         help="the tuning protocol (families, methods, search spaces, trials)")
     parser.add_argument("--families", nargs="+", default=None,
@@ -247,7 +264,7 @@ def _parser():
 
 
 def main(argv=None) -> int:
-    args = _parser().parse_args(argv)
+    args = parse_args(argv)
     if args.cost:
         sweep_cost.print_cost(args.runs_dir, args.cpus_per_trial)
         return 0

@@ -983,3 +983,19 @@ def test_the_baseline_check_fires_on_a_recorded_stronger_dp_sgd(finished_sweep, 
     row = _v3_row(text, OTHER)
     assert row["ε, K secret (deployment)"] == "n/a"
     assert float(row["ε, all published (distinct runs)"]) > 0
+
+
+def test_a_sweep_mode_is_a_subcommand_that_stands_for_its_flag():
+    """`dpbench sweep prepare|secret|progress|cost|run` parse as the flags they name (which
+    still work), and an unknown mode is refused by argparse (exit 2)."""
+    common = ["--protocol=p.json", "--records=r"]
+    for mode, flag in (("prepare", "prepare_only"), ("secret", "secret_trial_count"),
+                       ("progress", "progress"), ("cost", "cost")):
+        by_mode = sweep.parse_args([mode, *common])
+        assert getattr(by_mode, flag) is True
+        assert vars(by_mode) == vars(sweep.parse_args([f"--{flag}", *common]))
+    assert vars(sweep.parse_args(["run", *common])) == vars(sweep.parse_args(common))
+    with pytest.raises(SystemExit) as refused:
+        sweep.parse_args(["sweeep", *common])
+    assert refused.value.code == 2
+

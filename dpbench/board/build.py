@@ -49,10 +49,11 @@ def build(records_dir, out_dir, audits_dir=None, perf_json=None, claims_json=Non
                 in sorted(running.items())) + ".\n"
     claims = dict(what_changed=json.loads(Path(claims_json).read_text()).get(
         "what_changed", {}) if claims_json else {}, methods=methods.claims(methods_dirs))
-    headline = _paired_verdicts(table, finished, history, claims, out_dir, earlier_records,
+    older = [dict(r, _set=str(d)) for d in history for r in load_records(Path(d))]
+    headline = _paired_verdicts(table, finished, older, claims, out_dir, earlier_records,
                                 superseded)
     if headline:
-        headline[0]["totals"] = totals_text(dataset_totals(headline, history))
+        headline[0]["totals"] = totals_text(dataset_totals(headline, older))
     v2_table = {g: rows for g, rows in table.items() if g not in {h["group"] for h in headline}}
     v2_verdicts = verdicts(v2_table, claims, v1_gains(v1_records))
     tables = verdict_tables(v2_verdicts)
@@ -94,13 +95,12 @@ def _own_baseline_key(finished, group):
     return (THIS_BOARD, keys.pop()) if len(keys) == 1 else None
 
 
-def _paired_verdicts(table, finished, history, claims, out_dir, earlier_records,
+def _paired_verdicts(table, finished, older, claims, out_dir, earlier_records,
                      superseded=None) -> list:
     """[{group, forest, baseline, table}] for every finished group whose search is paired; the
     verdicts Holm-corrected over every comparison of the board."""
     group_dirs = {r["_group"]: Path(r["_path"]).parent.parent for r in finished}
-    known = [dict(r, _set=THIS_BOARD) for r in finished] + [
-        dict(r, _set=str(d)) for d in history for r in load_records(Path(d))]
+    known = [dict(r, _set=THIS_BOARD) for r in finished] + list(older)
     earlier = v1_gains(earlier_records)
     analyses = []
     for group in sorted(_paired_groups(finished) & set(table)):
@@ -149,27 +149,28 @@ def _seed_text(analysis: dict) -> str:
     return text
 
 
-def dataset_totals(headline, history=()) -> list:
+def dataset_totals(headline, older=()) -> list:
     """Per dataset: the PLD epsilon of every distinct run the board publishes about its images
     (every paired group's runs, superseded searches included), and with the earlier boards'
-    runs (``history``) too; each run once, composed as if its noise were fresh."""
+    runs (``older``: their records) too; each run once, composed as if its noise were fresh."""
     runs, deltas = {}, {}
     for h in headline:
-        dataset = GROUP_PATTERN.match(h["group"])["dataset"]
-        deltas.setdefault(dataset, set()).add(float(GROUP_PATTERN.match(h["group"])["delta"]))
+        match = GROUP_PATTERN.match(h["group"])
+        deltas.setdefault(match["dataset"], set()).add(float(match["delta"]))
         for r in h["analysis"]["methods"].values():
-            runs.setdefault(dataset, []).extend(r["published_runs"])
+            runs.setdefault(match["dataset"], []).extend(r["published_runs"])
     out = []
     for dataset, board_runs in sorted(runs.items()):
         delta = max(deltas[dataset])
-        older = [(r.get("final_params_sha256") or r["_path"], r["dp_event"])
-                 for d in history for r in load_records(Path(d))
-                 if r["dataset"] == dataset and r.get("dp_event") is not None]
-        out.append(dict(dataset=dataset, delta=delta, runs=len(paired.distinct_events(
-            board_runs)), epsilon=paired.published_epsilon(board_runs, delta, coarse=True),
-            runs_with_history=len(paired.distinct_events(board_runs + older)),
-            epsilon_with_history=paired.published_epsilon(board_runs + older, delta,
-                                                          coarse=True) if older else None))
+        earlier = [(paired.run_identity(r, r["_path"]), r["dp_event"]) for r in older
+                   if r["dataset"] == dataset and r.get("dp_event") is not None]
+        mine, everything = (paired.distinct_events(board_runs),
+                            paired.distinct_events(board_runs + earlier))
+        out.append(dict(dataset=dataset, delta=delta, runs=len(mine),
+                        epsilon=paired.coarse_epsilon(mine, delta),
+                        runs_with_history=len(everything),
+                        epsilon_with_history=paired.coarse_epsilon(everything, delta)
+                        if earlier else None))
     return out
 
 

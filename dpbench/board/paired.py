@@ -58,7 +58,7 @@ def _outcome(group_dir: Path, method: str, trial: int, seed) -> dict | None:
     return record
 
 
-def _identity(record: dict, where: str) -> str:
+def run_identity(record: dict, where: str) -> str:
     """A run's trajectory: its final parameters' sha256 (two records with the same one are one
     run published twice); a record without one is its own run."""
     return record.get("final_params_sha256") or f"record:{where}"
@@ -66,7 +66,7 @@ def _identity(record: dict, where: str) -> str:
 
 def method_runs(group_dir: Path, plan: dict, method: str, winner: int) -> dict:
     """validation/test of the K seed-0 trials (None: diverged), the winner's retrain test
-    accuracies, and every published run as (identity, DpEvent) (``_identity``): a trial that
+    accuracies, and every published run as (identity, DpEvent) (``run_identity``): a trial that
     diverged counts at the event search.json planned for it (it ran on private data, and that
     it diverged is published)."""
     seeds = plan["seeds"]
@@ -79,9 +79,9 @@ def method_runs(group_dir: Path, plan: dict, method: str, winner: int) -> dict:
                 test=[None if r is None else r["test_accuracy"] for r in trials],
                 retrains=[r["test_accuracy"] for r in retrains],
                 runs=[(f"diverged:{method}-t{t}", tuning.planned_event(plan, method, t))
-                      if r is None else (_identity(r, f"{method}-t{t}"), r["dp_event"])
+                      if r is None else (run_identity(r, f"{method}-t{t}"), r["dp_event"])
                       for t, r in enumerate(trials)] + [
-                    (_identity(r, f"{method}-retrain{i}"), r["dp_event"])
+                    (run_identity(r, f"{method}-retrain{i}"), r["dp_event"])
                     for i, r in enumerate(retrains)])
 
 
@@ -94,7 +94,7 @@ def superseded_runs(superseded_dir, method: str) -> list:
     out = []
     for path in sorted(Path(superseded_dir).glob(f"{method}-t*-seed*/run_record.json")):
         record = json.loads(path.read_text())
-        out.append((_identity(record, str(path)), record["dp_event"]))
+        out.append((run_identity(record, str(path)), record["dp_event"]))
     return out
 
 
@@ -113,16 +113,20 @@ def distinct_events(runs) -> list:
     return list(seen.values())
 
 
-def published_epsilon(runs, delta: float, coarse: bool = False) -> float:
+def published_epsilon(runs, delta: float) -> float:
     """The PLD epsilon of everything published about a method: its distinct runs
     (``distinct_events``) composed as independent mechanisms, i.e. as if each had drawn fresh
     secret noise (a benchmark's seeded runs that share a seed share a noise stream, which
     composition does not model; the board says so)."""
-    if coarse:  # a dataset's total over hundreds of runs: PLD on a 3x coarser grid, an upper
-        # bound all the same (board v3: 98.07 against 97.37 at 1e-3, in 3.5 s instead of 8.6)
-        return tuning.published_epsilon([tuning.composed_event(distinct_events(runs))], delta,
-                                        discretization=3e-3)
     return tuning.composition_epsilon(distinct_events(runs), delta)
+
+
+def coarse_epsilon(events, delta: float) -> float:
+    """A dataset's total over hundreds of distinct runs' events: PLD on a 3x coarser grid, an
+    upper bound all the same (board v3: 98.07 against 97.37 at 1e-3, in 3.5 s instead of
+    8.6)."""
+    return tuning.published_epsilon([tuning.composed_event(events)], delta,
+                                    discretization=3e-3)
 
 
 JUNK_POINTS = 0.05  # a random trial this far (test accuracy) below its group's best is junk

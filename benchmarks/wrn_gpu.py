@@ -1,7 +1,7 @@
 """WRN-16-4 step times: dpbench's DP-SGD step against a plain-JAX non-private step on the same
 images, in one process, on whatever device JAX has (made for a lent GPU machine).
 
-    python -m benchmarks.wrn_gpu --out=DIR [--steps=20]
+    python -m benchmarks.wrn_gpu --out=DIR [--steps=20] [--materialized_too]
 
 Per setting (B examples x K augmentations): the DP-SGD step as `dpbench train` runs it (the
 compiled step of train.build_run on Fashion-MNIST, its Poisson batches drawn beforehand, so the
@@ -14,10 +14,12 @@ prints a Markdown table.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import time
 from pathlib import Path
+from unittest import mock
 
 import jax
 import jax.numpy as jnp
@@ -40,7 +42,10 @@ def _timed(fn, count: int, warmup: int = 3) -> list:
     return out
 
 
-def dp_sgd(batch: int, augmult: int, micro: int, steps: int, extra=()) -> dict:
+def dp_sgd(batch: int, augmult: int, micro: int, steps: int, extra=(),
+           materialized: bool = False) -> dict:
+    """dpbench's DP-SGD step; ``materialized``: with book-keeping turned off (the compiler
+    finds no tap layers), the per-example gradients vmapped, for the two strategies' ratio."""
     bindings = [f"train.batch_size = {batch}", f"train.micro_batch_size = {micro}",
                 f"grad.per_example.augmult = {augmult}", *extra]
     if augmult > 1:
@@ -48,7 +53,9 @@ def dp_sgd(batch: int, augmult: int, micro: int, steps: int, extra=()) -> dict:
     config.parse_config(["pipelines/dpsgd", "gin/data/fashion_mnist.gin",
                          "gin/model/wrn16_4.gin"], bindings)
     _, stages = train.pipeline_stages()
-    run = train.build_run(stages, config.TrainConfig(), accounting.Budget())
+    with mock.patch("dpbench.compiler.bind.discover_taps", return_value=None) if materialized \
+            else contextlib.nullcontext():
+        run = train.build_run(stages, config.TrainConfig(), accounting.Budget())
     state = run.initial_state()
     batches = [run.host_batch(t) for t in range(steps + 3)]
     holder = {"state": state}
@@ -59,7 +66,9 @@ def dp_sgd(batch: int, augmult: int, micro: int, steps: int, extra=()) -> dict:
 
     times = _timed(one, steps)
     return dict(step_s=statistics.median(times), padded_batch=run.sampler.padded_batch_size,
-                strategy=run.compiled.plan.strategy, reason=run.compiled.plan.strategy_reason,
+                strategy=run.compiled.plan.strategy,
+                reason="turned off by the benchmark" if materialized else
+                run.compiled.plan.strategy_reason,
                 sigma=run.compiled.noise_multiplier, model=run.model, dataset=run.dataset,
                 params=holder["state"].params)  # the first state was donated to the step
 
@@ -138,6 +147,8 @@ def main(argv=None) -> int:
                         help="B,augmult,micro-batch triples (default: 256,16,32 1024,1,128)")
     parser.add_argument("--binding", action="append", default=[],
                         help="extra gin bindings, e.g. 'wrn.depth = 10' for a CPU smoke run")
+    parser.add_argument("--materialized_too", action="store_true",
+                        help="also time the DP-SGD step with book-keeping turned off")
     args = parser.parse_args(argv)
     settings = SETTINGS if args.settings is None else [
         tuple(int(v) for v in s.split(",")) for s in args.settings]
@@ -151,8 +162,11 @@ def main(argv=None) -> int:
         vmap_ms = None if augmult > 1 else 1e3 * plain_vmap(
             dp["model"], dp["params"], train_split.images, train_split.labels,
             dp["padded_batch"], micro, batch, args.steps)
+        slow_ms = 1e3 * dp_sgd(batch, augmult, micro, args.steps, args.binding,
+                               materialized=True)["step_s"] if args.materialized_too else None
         rows.append(dict(batch=batch, augmult=augmult, micro_batch=micro,
                          padded_batch=dp["padded_batch"], dp_sgd_ms=1e3 * dp["step_s"],
+                         dp_sgd_materialized_ms=slow_ms,
                          non_private_ms=1e3 * plain, ratio=dp["step_s"] / plain,
                          plain_vmap_at_padded_ms=vmap_ms,
                          strategy=dp["strategy"], reason=dp["reason"], sigma=dp["sigma"]))
@@ -162,15 +176,15 @@ def main(argv=None) -> int:
     Path(args.out).mkdir(parents=True, exist_ok=True)
     (Path(args.out) / "wrn_gpu.json").write_text(json.dumps(result, indent=1) + "\n")
     print(f"\n{result['device']}, JAX {result['jax']}, median of {args.steps} steps\n")
-    print("| B x augmult (micro-batch; padded B) | JAX non-private ms | DP-SGD ms | ratio | "
-          "plain-JAX vmap DP-SGD at padded B ms |")
-    print("|---|---|---|---|---|")
+    print("| B x augmult (micro-batch; padded B) | JAX non-private ms | DP-SGD ms (strategy) | "
+          "ratio | DP-SGD materialized ms | plain-JAX vmap DP-SGD at padded B ms |")
+    print("|---|---|---|---|---|---|")
     for r in rows:
-        vmap = "n/a" if r["plain_vmap_at_padded_ms"] is None else \
-            f"{r['plain_vmap_at_padded_ms']:.1f}"
+        vmap, slow = ("n/a" if v is None else f"{v:.1f}" for v in (
+            r["plain_vmap_at_padded_ms"], r["dp_sgd_materialized_ms"]))
         print(f"| {r['batch']} x {r['augmult']} ({r['micro_batch']}; {r['padded_batch']}) | "
-              f"{r['non_private_ms']:.1f} | {r['dp_sgd_ms']:.1f} | {r['ratio']:.2f}x | "
-              f"{vmap} |")
+              f"{r['non_private_ms']:.1f} | {r['dp_sgd_ms']:.1f} ({r['strategy']}) | "
+              f"{r['ratio']:.2f}x | {slow} | {vmap} |")
     return 0
 
 

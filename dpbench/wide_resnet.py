@@ -4,14 +4,15 @@ WRN-16-4, 16 groups, no batch statistics), registered as model ``wrn`` by the sa
 plug-in of a user's own makes (``models.register_model``).
 
 Its knobs are its own gin configurable, ``wrn`` (``wrn.depth = 16``, ``wrn.width = 4``:
-gin/model/wrn16_4.gin; WRN-10-1 for tests). Inputs are images of at most 32x32 pixels:
-smaller ones (Fashion-MNIST's 28x28) are zero-padded to 32x32 at the centre, then every pixel is
-mapped from [0, 1] to [-1, 1]; both are fixed maps of each example alone (no statistic of the
-data, no privacy cost), stated in the run's privacy statement.
+gin/model/wrn16_4.gin; WRN-10-1 for tests). Inputs are images of at most ``wrn.size`` (32)
+pixels a side: smaller ones (Fashion-MNIST's 28x28) are zero-padded to 32x32 at the centre, then
+every pixel is mapped from [0, 1] to [-1, 1]; both are fixed maps of each example alone (no
+statistic of the data, no privacy cost), stated in the run's privacy statement.
 
-Its GroupNorm layers carry a learned scale and bias, and its convolutions are XLA's: the
-compiler runs it with materialized per-example gradients (the record and the log say so, and
-why), never with book-keeping.
+Every parameter sits in a layer book-keeping taps (XLA convolutions, 3x3, strided and 1x1, as
+image patches times a matrix; GroupNorm's scale and bias; the dense head), so DP-SGD and the
+methods that mask or transform its per-example gradients run without materializing them,
+augmentation multiplicity included (compiler/taps.py, compiler/bookkeeping.py).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ class WideResNetKnobs:
     width: int = 4
     groups: int = 16
     activation: str = "relu"
+    size: int = SIZE  # the side inputs are zero-padded to (smaller for tests: 16)
 
     def __post_init__(self):
         if self.depth < 10 or (self.depth - 4) % 6:
@@ -48,6 +50,8 @@ class WideResNetKnobs:
         if self.activation not in models.ACTIVATIONS:
             raise ValueError(f"wrn.activation must be one of {sorted(models.ACTIVATIONS)}, "
                              f"got {self.activation!r}")
+        if self.size < 8:
+            raise ValueError(f"wrn.size must be >= 8 (two stride-2 stages), got {self.size}")
 
 
 class WideResNet(nn.Module):
@@ -56,18 +60,19 @@ class WideResNet(nn.Module):
     width: int = 4
     groups: int = 16
     activation: str = "relu"
+    size: int = SIZE
 
     @nn.compact
     def __call__(self, x):
         act = models.ACTIVATIONS[self.activation]
-        height, width = x.shape[-3], x.shape[-2]
-        if height > SIZE or width > SIZE:
-            raise ValueError(f"model 'wrn' takes images of at most {SIZE}x{SIZE} pixels, got "
-                             f"{height}x{width}")
-        top, left = (SIZE - height) // 2, (SIZE - width) // 2
-        pad = [(0, 0)] * (x.ndim - 3) + [(top, SIZE - height - top),
-                                         (left, SIZE - width - left), (0, 0)]
-        x = 2.0 * jnp.pad(x, pad) - 1.0  # zero-pad to 32x32, then [0, 1] -> [-1, 1]
+        height, width, size = x.shape[-3], x.shape[-2], self.size
+        if height > size or width > size:
+            raise ValueError(f"model 'wrn' takes images of at most {size}x{size} pixels, got "
+                             f"{height}x{width} (wrn.size = {size})")
+        top, left = (size - height) // 2, (size - width) // 2
+        pad = [(0, 0)] * (x.ndim - 3) + [(top, size - height - top),
+                                         (left, size - width - left), (0, 0)]
+        x = 2.0 * jnp.pad(x, pad) - 1.0  # zero-pad to size x size, then [0, 1] -> [-1, 1]
 
         def norm(h):
             return nn.GroupNorm(num_groups=min(self.groups, h.shape[-1]))(h)
@@ -95,11 +100,12 @@ def build(num_classes: int, knobs: dict, linearized: bool) -> nn.Module:
     (identity for the linearized twin); ``model.*`` knobs are the other models'."""
     own = WideResNetKnobs()
     return WideResNet(num_classes, own.depth, own.width, own.groups,
-                      "identity" if linearized else own.activation)
+                      "identity" if linearized else own.activation, own.size)
 
 
 def describe_inputs(knobs: dict) -> list:
-    return [dict(what=f"pixels zero-padded at the centre to {SIZE}x{SIZE} and mapped from "
+    size = WideResNetKnobs().size
+    return [dict(what=f"pixels zero-padded at the centre to {size}x{size} and mapped from "
                       "[0, 1] to [-1, 1]",
                  why="fixed maps of each example alone: no privacy cost")]
 

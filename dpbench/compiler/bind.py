@@ -8,6 +8,7 @@ from typing import Any, Optional, Sequence
 
 
 from dpbench.compiler import bookkeeping
+from dpbench.compiler.taps import discover_taps
 from dpbench.compiler.rules import (PipelineError, ValidatedPipeline, describe_stage,
                                     validate_pipeline)
 from dpbench.stages.base import Kind, Mask, Stage, StageFns, StageInfo
@@ -22,7 +23,7 @@ class Plan:
     validated: ValidatedPipeline
     info: StageInfo
     model: Any = None      # the flax model, when the caller gives it (book-keeping needs it)
-    taps: Optional[tuple] = None  # its matmul layers (bookkeeping.discover_taps), if all params
+    taps: Optional[tuple] = None  # its tap layers (taps.discover_taps), if all params
     strategy: str = "materialized"  # per-example strategy: "materialized" or "bookkeeping"
     strategy_reason: str = ""  # why the materialized one ("" for book-keeping)
 
@@ -70,7 +71,7 @@ def bind(stages: Sequence[Stage], info: StageInfo, model=None,
     ``info.layer_grads`` set where the model allows book-keeping. ``validated``: these stages'
     validation, when the caller has already run it (the rules run once per compile)."""
     validated = validate_pipeline(stages) if validated is None else validated
-    taps = None if model is None else bookkeeping.discover_taps(
+    taps = None if model is None else discover_taps(
         model, info.param_shapes, info.example_shape)
     if taps is not None:
         info = info._replace(layer_grads=bookkeeping.layer_grads_fn(model, taps))

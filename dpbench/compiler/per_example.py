@@ -12,6 +12,7 @@ import jax.numpy as jnp
 from dpbench import sharding
 from dpbench.compiler import bookkeeping
 from dpbench.stages.base import Kind, StepContext, apply_mask
+from dpbench.stages.grad import augment_image
 from dpbench.ops import zero_if_nonfinite
 from dpbench.compiler.bind import Plan
 
@@ -59,12 +60,31 @@ def masked_sum(per_example: Callable, batch: dict) -> tuple:
     return total
 
 
+def _augmented_copies(grad_stage, step_key, images, labels, positions):
+    """grad.per_example's K augmented copies of each example, drawn with the keys the
+    materialized strategy gives that stage (key fold_in(fold_in(step_key, 0), position), split
+    K ways): (b K images, example i's copies adjacent, b K labels, K)."""
+    options = grad_stage.options
+    copies = options["augmult"]
+    if copies == 1 and options["augmentation"] == "none":
+        return images, labels, 1
+
+    def one(position, image):
+        keys = jax.random.split(jax.random.fold_in(jax.random.fold_in(step_key, 0), position),
+                                copies)
+        return jax.vmap(lambda k: augment_image(k, image, options["augmentation"],
+                                                options["crop_padding"]))(keys)
+
+    augmented = jax.vmap(one)(positions, images)
+    return (augmented.reshape((-1,) + images.shape[1:]), jnp.repeat(labels, copies), copies)
+
+
 def _bookkeeping_sum_fn(plan: Plan, loss_fn: Callable):
     """The book-keeping strategy's clipped sum (bookkeeping.clipped_sum per micro-batch, empty
-    micro-batches skipped). Stages between the gradient and the clip enter as the product of
-    their public masks when all are masks, else as a transform of the per-example gradients
-    (each stage's own apply, vmapped, with the same per-example keys as the materialized
-    strategy)."""
+    micro-batches skipped; augmented copies drawn as the gradient stage draws them). Stages
+    between the gradient and the clip enter as the product of their public masks when all are
+    masks, else as a transform of the per-example gradients (each stage's own apply, vmapped,
+    with the same per-example keys as the materialized strategy)."""
     clip_index = plan.validated.clip_index
     middle = range(1, clip_index)
     use_masks = bookkeeping.masks_only(plan.stages, clip_index)
@@ -86,9 +106,11 @@ def _bookkeeping_sum_fn(plan: Plan, loss_fn: Callable):
 
         def micro(images, labels, mask, positions):
             transform = None if use_masks or clip_index == 1 else transform_at(positions)
+            images, labels, copies = _augmented_copies(plan.stages[0], step_key, images,
+                                                       labels, positions)
             return bookkeeping.clipped_sum(plan.model, plan.taps, params, images, labels, mask,
                                            plan.stages[clip_index].l2_bound, masks, transform,
-                                           elementwise)
+                                           elementwise, copies)
 
         return _sum_over_micro_batches(micro, batch)
 

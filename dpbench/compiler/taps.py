@@ -1,0 +1,186 @@
+"""The layers book-keeping taps, found by intercepting the model's own forward pass.
+
+A tap is a layer whose per-example parameter gradient is a function of its input and of the
+gradient of the loss with respect to its output, summed over the layer's positions:
+
+- ``matmul`` (``kernel`` and ``bias``): y = a K + b, with ``a`` the layer's input (nn.Dense) or
+  its input's image patches (PatchConv; nn.Conv with SAME or VALID padding, any strides, no
+  dilation, no feature groups: 3x3, strided and 1x1 convolutions alike). Example i's kernel
+  gradient is a_i^T delta_i over its positions, its bias gradient sum_t delta_it.
+- ``affine`` (``scale`` and ``bias``): GroupNorm's learned per-channel map y = xhat s + b, with
+  xhat the normalized input (each example's own statistics, recomputed here by a GroupNorm
+  without scale and bias). Example i's scale gradient is sum_t xhat_it * delta_it, its bias
+  gradient sum_t delta_it.
+
+Book-keeping applies only when the taps hold EVERY parameter of the model and each tap layer
+runs once per forward pass (a layer called twice shares its weights between two inputs, and
+its gradient is no longer one input's outer product): ``discover_taps`` returns None otherwise
+and ``untapped_parameters`` says which parameters are why.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import math
+from typing import Optional
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from dpbench import models
+
+MATMUL, AFFINE = "matmul", "affine"
+LEAVES = {MATMUL: ("kernel", "bias"), AFFINE: ("scale", "bias")}
+
+
+@dataclasses.dataclass(frozen=True)
+class Tap:
+    """One tap layer: its module path, kind, positions per example T, input features d (a
+    matmul's patch size; an affine layer's channels) and outputs p (T x p per example)."""
+
+    path: tuple
+    positions: int
+    inputs: int
+    outputs: int
+    output_shape: tuple  # one example's output shape (the perturbation's)
+    kind: str = MATMUL
+
+    @property
+    def leaves(self) -> tuple:
+        return LEAVES[self.kind]
+
+    @property
+    def ghost_is_cheaper(self) -> bool:
+        return self.ghost_is_cheaper_at(self.positions)
+
+    def ghost_is_cheaper_at(self, positions: int) -> bool:
+        """Gram products over T positions cost T^2 (d + p), the materialized gradient T d p,
+        but the materialized gradient is then reused for the weighted sum (which the Gram route
+        recomputes as (c a)^T delta) and runs as one batched matmul: Gram only at half. With
+        augmentation, T counts every copy's positions (K x the layer's own)."""
+        return 2 * positions ** 2 * (self.inputs + self.outputs) < \
+            positions * self.inputs * self.outputs
+
+
+def _conv_as_patches(module) -> bool:
+    """An nn.Conv whose output is its input's image patches times its kernel, plus its bias."""
+    ones = (None, 1, (1, 1), [1, 1])
+    return (len(module.kernel_size) == 2 and module.padding in ("SAME", "VALID")
+            and module.input_dilation in ones and module.kernel_dilation in ones
+            and module.feature_group_count == 1 and module.mask is None and module.use_bias)
+
+
+def _strides(module) -> tuple:
+    strides = module.strides if module.strides is not None else 1
+    return (strides, strides) if isinstance(strides, int) else tuple(strides)
+
+
+def kind_of(module) -> Optional[str]:
+    """The tap kind of a module, None when book-keeping does not tap it."""
+    if isinstance(module, (nn.Dense, models.PatchConv)) or (
+            isinstance(module, nn.Conv) and _conv_as_patches(module)):
+        return MATMUL
+    if isinstance(module, nn.GroupNorm) and module.use_scale and module.use_bias:
+        return AFFINE
+    return None
+
+
+def _layer_input(module, x):
+    """What the layer's parameter gradient multiplies the output gradient with: a Dense's
+    input, a convolution's image patches, GroupNorm's normalized input."""
+    if isinstance(module, models.PatchConv):
+        return models.image_patches(x, module.kernel_size, module.strides, module.padding)
+    if isinstance(module, nn.Conv):
+        return models.image_patches(x, tuple(module.kernel_size), _strides(module),
+                                    module.padding)
+    if isinstance(module, nn.GroupNorm):
+        plain = nn.GroupNorm(num_groups=module.num_groups, group_size=module.group_size,
+                             epsilon=module.epsilon, use_scale=False, use_bias=False,
+                             reduction_axes=module.reduction_axes,
+                             use_fast_variance=module.use_fast_variance, parent=None)
+        return plain.apply({}, x)
+    return x
+
+
+def forward(model: nn.Module, params, images, perturbations: Optional[dict] = None,
+            calls: Optional[collections.Counter] = None):
+    """(logits, {path: layer input}) for a batch; ``perturbations[path]`` (batch x output
+    shape) is added to that tap layer's output, so its gradient is the output gradient;
+    ``calls`` counts each tap layer's calls."""
+    inputs = {}
+
+    def interceptor(next_fun, args, kwargs, context):
+        module = context.module
+        if context.method_name != "__call__" or kind_of(module) is None:
+            return next_fun(*args, **kwargs)
+        inputs[module.path] = _layer_input(module, args[0])
+        if calls is not None:
+            calls[module.path] += 1
+        out = next_fun(*args, **kwargs)
+        return out if perturbations is None else out + perturbations[module.path]
+
+    with nn.intercept_methods(interceptor):
+        logits = model.apply(params, images)
+    return logits, inputs
+
+
+def _param_paths(params_shape) -> list:
+    return [tuple(k.key for k in path[1:]) for path, _ in
+            jax.tree_util.tree_flatten_with_path(params_shape)[0]]
+
+
+def _traced(model: nn.Module, params_shape, example_shape) -> tuple[dict, collections.Counter]:
+    """(tap path -> one batch's layer input shape, calls per tap path), by tracing the model's
+    forward pass on one example (no compute)."""
+    shapes, calls = {}, collections.Counter()
+
+    def trace(params, images):
+        logits, inputs = forward(model, params, images, calls=calls)
+        shapes.update({p: a.shape for p, a in inputs.items()})
+        return logits
+
+    x = jax.ShapeDtypeStruct((1,) + tuple(example_shape), jnp.float32)
+    jax.eval_shape(trace, params_shape, x)
+    return shapes, calls
+
+
+def untapped_parameters(model: nn.Module, params_shape, example_shape) -> list:
+    """The parameters (as 'Layer/leaf' paths) that no tap layer holds, or that a tap layer
+    called more than once holds: why book-keeping does not apply (``discover_taps`` None)."""
+    shapes, calls = _traced(model, params_shape, example_shape)
+    once = {path for path in shapes if calls[path] == 1}
+    untapped = sorted("/".join(map(str, leaf)) for leaf in _param_paths(params_shape)
+                      if leaf[:-1] not in once)
+    repeated = sorted(f"{'/'.join(map(str, path))} (called {calls[path]} times)"
+                      for path in shapes if calls[path] > 1)
+    return untapped + repeated or ["(a tap layer without its bias or scale)"]
+
+
+def discover_taps(model: nn.Module, params_shape, example_shape) -> Optional[tuple]:
+    """The model's tap layers, or None when some parameter is not a tap layer's, a tap layer
+    lacks a parameter of its kind (a Dense without bias) or runs more than once."""
+    shapes, calls = _traced(model, params_shape, example_shape)
+    leaves = set(_param_paths(params_shape))
+    taps, covered = [], set()
+    for path, shape in shapes.items():
+        module_kind = MATMUL if (path + ("kernel",)) in leaves else AFFINE
+        if calls[path] != 1 or not all(path + (leaf,) in leaves
+                                       for leaf in LEAVES[module_kind]):
+            return None
+        covered.update(path + (leaf,) for leaf in LEAVES[module_kind])
+        first = leaf_at(params_shape["params"], path + (LEAVES[module_kind][0],)).shape
+        d, p = (math.prod(first[:-1]), first[-1]) if module_kind == MATMUL else (
+            first[-1], first[-1])
+        positions = math.prod(shape[1:-1]) if len(shape) > 2 else 1
+        taps.append(Tap(path, positions, d, p, tuple(shape[1:-1]) + (p,), module_kind))
+    if covered != leaves:
+        return None
+    return tuple(sorted(taps, key=lambda t: t.path))
+
+
+def leaf_at(tree, path):
+    for key in path:
+        tree = tree[key]
+    return tree

@@ -98,7 +98,7 @@ def torch_settings(options: Options) -> dict:
     no torch twin here (only the tanh CNN on 28x28x1 has one)."""
     import gin
 
-    from dpbench import config as dpconfig, train
+    from dpbench import config as dpconfig
 
     dpconfig.parse_config(_gin_files(options, "dpsgd"), _bindings(options, 256))
     model = dict(gin.get_bindings("model"))
@@ -106,11 +106,11 @@ def torch_settings(options: Options) -> dict:
             model.get("activation", "tanh") != "tanh":
         return {"skip": f"the torch twin exists for model tanh_cnn (tanh, no GroupNorm) only, "
                         f"not {model}"}
-    _, stages = train.pipeline_stages()
+    _, stages = dpconfig.pipeline_stages()
     clip = [s for s in stages if s.name == "clip.global_l2"]
     optimizer = stages[-1].options
     dataset_kwargs = dict(gin.get_bindings("dataset"))
-    config = train.TrainConfig()
+    config = dpconfig.TrainConfig()
     gin.clear_config()
     from dpbench import data
     shape = data.load_dataset(**dataset_kwargs).input_shape

@@ -50,22 +50,24 @@ def build_dp_run(spec: dict):
     as train.noise_multiplier, as a user would) unless a stage declares a budgeted mechanism of
     its own (GIP), which needs the target epsilon: those take the calibrated path.
     """
-    from dpbench import accounting, compiler, train
+    from dpbench import accounting, compiler
+    from dpbench.config import TrainConfig, pipeline_stages
+    from dpbench.run import build_run
 
     _parse(spec, with_sigma=False)
-    _, probe = train.pipeline_stages()
+    _, probe = pipeline_stages()
     calibrated = spec.get("noise_multiplier") is None or any(
         s.cost is not None for s in probe)
     if not calibrated:
         _parse(spec, with_sigma=True)
 
     # Built exactly as train.train builds it (no workdir, no checkpoints).
-    config = train.TrainConfig()
+    config = TrainConfig()
     config.validate()
     budget = accounting.Budget()
-    pipeline_name, stages = train.pipeline_stages()
+    pipeline_name, stages = pipeline_stages()
     compiler.validate_pipeline(stages)
-    run = train.build_run(stages, config, budget)
+    run = build_run(stages, config, budget)
     return dict(config=config, budget=budget, pipeline_name=pipeline_name, dataset=run.dataset,
                 model=run.model, sampler=run.sampler, mesh=run.mesh, compiled=run.compiled,
                 state=run.initial_state(), total_steps=run.total_steps, calibrated=calibrated,
@@ -158,16 +160,18 @@ def _plain_step(spec: dict) -> dict:
     import jax.numpy as jnp
     import optax
 
-    from dpbench import data, models, train
+    from dpbench import data, models
+    from dpbench.config import TrainConfig, pipeline_stages
+    from dpbench.run import total_steps_for
     from dpbench.stages import optimize
 
     _parse(spec, with_sigma=False)
-    config = train.TrainConfig()
-    _, stages = train.pipeline_stages()
+    config = TrainConfig()
+    _, stages = pipeline_stages()
     dataset = data.load_dataset()
     n = len(dataset.train)
     model = models.ModelConfig().build(dataset.num_classes)
-    total_steps = train.total_steps_for(config.epochs, n, config.batch_size)
+    total_steps = total_steps_for(config.epochs, n, config.batch_size)
     opt_options = stages[-1].options  # optimize.optax, built as its stage builds it
     transform = optimize.make_optimizer(
         opt_options["optimizer"],

@@ -4,7 +4,7 @@ images, in one process, on whatever device JAX has (made for a lent GPU machine)
     python -m benchmarks.wrn_gpu --out=DIR [--steps=20] [--materialized_too]
 
 Per setting (B examples x K augmentations): the DP-SGD step as `dpbench train` runs it (the
-compiled step of train.build_run on Fashion-MNIST, its Poisson batches drawn beforehand, so the
+compiled step of run.build_run on Fashion-MNIST, its Poisson batches drawn beforehand, so the
 host's batch assembly is not timed) and a non-private step (jax.grad of the mean loss over the
 same B x K augmented images, an optax SGD update, one jitted function). Median of --steps
 steps after 3 warm-up steps, each ended by blocking on its outputs. Writes DIR/wrn_gpu.json and
@@ -26,7 +26,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from dpbench import accounting, config, models, train
+from dpbench import accounting, config, models
+from dpbench.run import build_run
 from dpbench.stages.grad import augment_image
 
 SETTINGS = ((256, 16, 32), (1024, 1, 128))  # (B, augmult K, micro-batch)
@@ -52,10 +53,10 @@ def dp_sgd(batch: int, augmult: int, micro: int, steps: int, extra=(),
         bindings.append("grad.per_example.augmentation = 'crop_flip'")
     config.parse_config(["pipelines/dpsgd", "gin/data/fashion_mnist.gin",
                          "gin/model/wrn16_4.gin"], bindings)
-    _, stages = train.pipeline_stages()
+    _, stages = config.pipeline_stages()
     with mock.patch("dpbench.compiler.bind.discover_taps", return_value=None) if materialized \
             else contextlib.nullcontext():
-        run = train.build_run(stages, config.TrainConfig(), accounting.Budget())
+        run = build_run(stages, config.TrainConfig(), accounting.Budget())
     state = run.initial_state()
     batches = [run.host_batch(t) for t in range(steps + 3)]
     holder = {"state": state}

@@ -18,7 +18,8 @@ import json
 from pathlib import Path
 from typing import Sequence
 
-from dpbench import compiler, config, records, stage_check
+from dpbench import config, records, stage_check
+from dpbench.compiler.rules import validate_pipeline
 from dpbench import train as train_lib
 
 
@@ -27,7 +28,7 @@ def configure(gin_files: Sequence[str] = (), gin: str | Sequence[str] = ()) -> t
     bindings = [gin] if isinstance(gin, str) else list(gin)
     config.parse_config(list(gin_files), bindings)
     name, stages = config.pipeline_stages()
-    compiler.validate_pipeline(stages)
+    validate_pipeline(stages)
     return name, stages
 
 

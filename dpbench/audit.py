@@ -42,7 +42,9 @@ import scipy.stats
 from absl import app, flags, logging
 from dp_accounting import dp_event
 
-from dpbench import accounting, compiler, config, data, models, records, sampling, sharding
+from dpbench import accounting, config, data, models, records, sampling, sharding
+from dpbench.compiler.pipeline import compile_pipeline
+from dpbench.compiler.rules import PipelineError
 from dpbench.stages.base import Stage
 
 AUDIT_BINDINGS = (
@@ -229,7 +231,7 @@ def run_audit(stages: Sequence[Stage], *, claimed_epsilon: float = 3.0, delta: f
     shape, n = canary.images.shape[1:], len(canary.labels)  # the canary is example n - 1
     loss_fn = models.cross_entropy_loss(canary.model)
     sampler = sampling.PoissonSampler(n, n, seed=seed, pad_multiple=micro_batch_size)
-    compiled = compiler.compile_pipeline(
+    compiled = compile_pipeline(
         stages, loss_fn=loss_fn, example_shape=shape, sampler=sampler,
         init_params=lambda key: canary.model.init(key, jnp.zeros((1,) + shape, jnp.float32)),
         budget=accounting.Budget(epsilon=claimed_epsilon, delta=delta, accountant=accountant),
@@ -342,7 +344,7 @@ def audit_main(argv) -> None:
     --out writes) the report; ``dpbench audit --board``: the board's column (audit_board.py).
     Exits 1 when an audit flags, 2 on bad input."""
     del argv
-    bad = (config.ConfigError, compiler.PipelineError, accounting.BudgetError, ValueError)
+    bad = (config.ConfigError, PipelineError, accounting.BudgetError, ValueError)
     if FLAGS.board:
         from dpbench import audit_board
         protocol = Path(FLAGS.protocol)

@@ -12,14 +12,15 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from dpbench import methods, tuning
+from dpbench import methods
+from dpbench.protocol import load_protocol
 
 
 def board_audits(protocol_path) -> tuple:
     """([(method, epsilon, gin_file, bindings)] of a protocol's audit column, in order;
     {method: why} of those whose method.json says ``"skip"``; the protocol's delta)."""
     path = Path(protocol_path)
-    protocol = tuning.load_protocol(path)
+    protocol = load_protocol(path)
     names = list(dict.fromkeys(m for spec in protocol["families"].values()
                                for m in spec["methods"]))
     raw = json.loads(path.read_text())

@@ -7,7 +7,8 @@ import sys
 
 from absl import app, flags, logging
 
-from dpbench import accounting, checkpoint, compiler, config, train
+from dpbench import accounting, checkpoint, config, train
+from dpbench.compiler.rules import PipelineError, validate_pipeline
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("workdir", None, "Where the run writes its config, checkpoints, metrics "
@@ -27,7 +28,7 @@ def main(argv) -> None:
     try:
         config.parse_config(FLAGS.gin_file, FLAGS.gin_bindings)
         train.train(FLAGS.workdir, gin_files=FLAGS.gin_file, overwrite=FLAGS.overwrite)
-    except (config.ConfigError, compiler.PipelineError, accounting.BudgetError, FileNotFoundError,
+    except (config.ConfigError, PipelineError, accounting.BudgetError, FileNotFoundError,
             FileExistsError, ValueError, checkpoint.CheckpointError,
             train.TrainingDiverged) as e:
         logging.error("%s: %s", type(e).__name__, e)
@@ -52,13 +53,13 @@ def check_main(argv) -> None:
     try:
         config.parse_config(FLAGS.gin_file, FLAGS.gin_bindings)
         name, stages = config.pipeline_stages()
-        compiler.validate_pipeline(stages)
+        validate_pipeline(stages)
         outside = {s.name for s in stage_check.unverified_stages(stages)}
         for stage in stages:
             passed = stage_check.verify_stage(stage) if stage.name in outside else None
             print(f"{stage.name}: " + ("dpbench's own (verified by its tests)" if passed is None
                                        else f"passed {', '.join(passed)}"))
-    except (config.ConfigError, compiler.PipelineError, ValueError) as e:
+    except (config.ConfigError, PipelineError, ValueError) as e:
         print(f"dpbench: error: {e}", file=sys.stderr)
         sys.exit(2)
     print(f"pipeline {name}: every declaration holds; `dpbench train` runs these checks too")

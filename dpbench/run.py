@@ -16,7 +16,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dpbench import accounting, compiler, data, models, records, sampling, sharding
+from dpbench import accounting, data, models, records, sampling, sharding
+from dpbench.compiler.pipeline import CompiledPipeline, account_only, compile_pipeline
 from dpbench.config import TrainConfig
 from dpbench.stages.base import Stage
 
@@ -60,7 +61,7 @@ class Run:
     model_name: str
     sampler: object  # sampling.PoissonSampler or ShuffleSampler
     mesh: jax.sharding.Mesh
-    compiled: compiler.CompiledPipeline
+    compiled: CompiledPipeline
     params_key: jax.Array
     run_key: jax.Array
     init_params: Callable
@@ -86,47 +87,83 @@ class Run:
                                         release_batch)
 
 
-def build_run(stages: Sequence[Stage], config: TrainConfig, budget: accounting.Budget,
-              model_config: Optional[models.ModelConfig] = None) -> Run:
-    """Loads the configured dataset and model, derives the keys from config.seed (from the OS
-    when it is None) and compiles the pipeline for the mesh over all devices."""
+@dataclasses.dataclass(frozen=True)
+class _Parts:
+    """What a run is built from, before anything is compiled."""
+
+    dataset: data.Dataset
+    model: object
+    model_config: models.ModelConfig
+    sampler: object
+    seeds: tuple
+    total_steps: int
+    steps_per_epoch: float
+
+    def init_params(self, key):
+        return self.model.init(key, jnp.zeros((1,) + tuple(self.dataset.input_shape),
+                                              jnp.float32))
+
+    def compile_args(self, config: TrainConfig, budget: accounting.Budget) -> dict:
+        """The arguments compile_pipeline and account_only share."""
+        dataset = self.dataset
+        return dict(init_params=self.init_params, example_shape=dataset.input_shape,
+                    sampler=self.sampler, budget=budget, total_steps=self.total_steps,
+                    steps_per_epoch=max(int(round(self.steps_per_epoch)), 1),
+                    noise_multiplier=config.noise_multiplier,
+                    public_images=None if dataset.public is None else dataset.public.images,
+                    num_classes=dataset.num_classes,
+                    linear_apply=self.model_config.linearized(dataset.num_classes).apply,
+                    model=self.model)
+
+
+def _parts(config: TrainConfig, budget: accounting.Budget,
+           model_config: Optional[models.ModelConfig]) -> _Parts:
+    """The configured dataset and model, the seeds (from config.seed, from the OS when it is
+    None) and the sampler."""
     dataset = data.load_dataset()
     n = len(dataset.train)
     budget.validate(n)
     model_config = models.ModelConfig() if model_config is None else model_config
     model_config.check_features(dataset.features)
-    model = model_config.build(dataset.num_classes)
-    example_shape = dataset.input_shape
-
     seed = config.seed if config.seed is not None else secrets.randbits(63)
-    seeds = np.random.SeedSequence(seed).generate_state(4)
-    params_key, run_key = jax.random.key(int(seeds[0])), jax.random.key(int(seeds[1]))
-    mesh = sharding.make_mesh()
-    sampler = sampling.make_sampler(n, config.batch_size, seed=int(seeds[2]),
+    seeds = tuple(int(s) for s in np.random.SeedSequence(seed).generate_state(4))
+    sampler = sampling.make_sampler(n, config.batch_size, seed=seeds[2],
                                     pad_multiple=config.micro_batch_size)
-    steps_per_epoch = n / config.batch_size
-    total_steps = total_steps_for(config.epochs, n, config.batch_size)
+    return _Parts(dataset=dataset, model=model_config.build(dataset.num_classes),
+                  model_config=model_config, sampler=sampler, seeds=seeds,
+                  total_steps=total_steps_for(config.epochs, n, config.batch_size),
+                  steps_per_epoch=n / config.batch_size)
 
-    def init_params(key):
-        return model.init(key, jnp.zeros((1,) + tuple(example_shape), jnp.float32))
 
+def build_run(stages: Sequence[Stage], config: TrainConfig, budget: accounting.Budget,
+              model_config: Optional[models.ModelConfig] = None) -> Run:
+    """Loads the configured dataset and model, derives the keys from config.seed (from the OS
+    when it is None) and compiles the pipeline for the mesh over all devices."""
+    parts = _parts(config, budget, model_config)
+    mesh = sharding.make_mesh()
     t0 = time.time()
-    compiled = compiler.compile_pipeline(
-        stages, loss_fn=models.cross_entropy_loss(model), init_params=init_params,
-        example_shape=example_shape, sampler=sampler, budget=budget, total_steps=total_steps,
-        steps_per_epoch=max(int(round(steps_per_epoch)), 1),
-        micro_batch_size=config.micro_batch_size, mesh=mesh, ema_decay=config.ema_decay,
-        noise_multiplier=config.noise_multiplier,
-        public_images=None if dataset.public is None else dataset.public.images,
-        num_classes=dataset.num_classes,
-        linear_apply=model_config.linearized(dataset.num_classes).apply,
-        fidelity_diagnostics=config.fidelity_every_steps > 0, host_seed=int(seeds[3]),
-        model=model)
-    return Run(dataset=dataset, model=model, model_name=model_config.name, sampler=sampler,
-               mesh=mesh, compiled=compiled, params_key=params_key, run_key=run_key,
-               init_params=init_params, total_steps=total_steps,
-               steps_per_epoch=steps_per_epoch, compile_s=time.time() - t0,
-               inputs=tuple(describe_features(dataset.features) + model_config.describe_inputs()))
+    compiled = compile_pipeline(
+        stages, loss_fn=models.cross_entropy_loss(parts.model), mesh=mesh,
+        micro_batch_size=config.micro_batch_size, ema_decay=config.ema_decay,
+        fidelity_diagnostics=config.fidelity_every_steps > 0, host_seed=parts.seeds[3],
+        **parts.compile_args(config, budget))
+    dataset = parts.dataset
+    return Run(dataset=dataset, model=parts.model, model_name=parts.model_config.name,
+               sampler=parts.sampler, mesh=mesh, compiled=compiled,
+               params_key=jax.random.key(parts.seeds[0]),
+               run_key=jax.random.key(parts.seeds[1]), init_params=parts.init_params,
+               total_steps=parts.total_steps, steps_per_epoch=parts.steps_per_epoch,
+               compile_s=time.time() - t0,
+               inputs=tuple(describe_features(dataset.features) +
+                            parts.model_config.describe_inputs()))
+
+
+def run_event(stages: Sequence[Stage], config: TrainConfig, budget: accounting.Budget):
+    """The DpEvent a run with these settings would have, from the compiler's own accounting
+    (``account_only``: the data, the sampler and sigma's calibration, but no mesh, no lowered
+    or traced step, no jit). Equal to ``build_run(...).compiled.run_event()``."""
+    parts = _parts(config, budget, None)
+    return account_only(stages, **parts.compile_args(config, budget)).run_event()
 
 
 def describe_features(features: dict) -> list:

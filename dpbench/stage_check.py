@@ -38,7 +38,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from dpbench import accounting, compiler, models, sampling, stages
+from dpbench import accounting, models, sampling, stages
+from dpbench.compiler.pipeline import compile_pipeline
 from dpbench.stages.base import Kind as K
 
 SHAPE, CLASSES, N, BATCH, MICRO = (8, 8, 1), 4, 32, 8, 8
@@ -98,7 +99,7 @@ def compile_small(stage_list, with_model: bool = True):
     model = models.make_model(CLASSES, name="logistic")
     sampler = sampling.PoissonSampler(N, BATCH, seed=0, pad_multiple=MICRO)
     public = np.random.default_rng(1).uniform(size=(512,) + SHAPE).astype(np.float32)
-    compiled = compiler.compile_pipeline(
+    compiled = compile_pipeline(
         stage_list, loss_fn=models.cross_entropy_loss(model),
         init_params=lambda key: model.init(key, jnp.zeros((1,) + SHAPE)), example_shape=SHAPE,
         # PLD: at this harness's q = 0.25 dp_accounting's RDP logs ~60 warnings about its

@@ -37,6 +37,7 @@ from pathlib import Path
 
 from dpbench import records as records_lib
 from dpbench import sweep_cost, sweep_secret, tuning
+from dpbench.protocol import ProtocolError, load_protocol
 # what the sweep refuses before it starts, and its advice on a failed trial (tests reach them
 # here)
 from dpbench.sweep_checks import (foreign_protocol_reason, retry_advice,  # noqa: F401
@@ -279,18 +280,18 @@ def main(argv=None) -> int:
         return 2
     private = args.runs_dir / "secret"
     try:
-        protocol = tuning.load_protocol(args.protocol)
+        protocol = load_protocol(args.protocol)
         if args.secret_trial_count:
             tuning.secret_law(protocol["trials"])  # refused early when there is none
         plans = []
         for family in args.families or list(protocol["families"]):
             if family not in protocol["families"]:
-                raise tuning.ProtocolError(f"family {family!r} is not in {args.protocol}; "
+                raise ProtocolError(f"family {family!r} is not in {args.protocol}; "
                                            f"it has {sorted(protocol['families'])}")
             methods = args.methods or list(protocol["families"][family]["methods"])
             unknown = set(methods) - set(protocol["families"][family]["methods"])
             if unknown:
-                raise tuning.ProtocolError(f"{family} has no method(s) {sorted(unknown)}")
+                raise ProtocolError(f"{family} has no method(s) {sorted(unknown)}")
             workers = 1 if args.address else args.cpus or os.cpu_count()
             for epsilon in args.epsilons or protocol["epsilons"]:
                 if args.secret_trial_count:
@@ -302,7 +303,7 @@ def main(argv=None) -> int:
                                      workers=workers))
                 print(f"{plans[-1]['group']}: K = {plans[-1]['num_trials']} trials per method",
                       flush=True)
-    except tuning.ProtocolError as e:
+    except ProtocolError as e:
         print(f"dpbench: error: {e}", file=sys.stderr)
         return 2
     if args.prepare_only:

@@ -8,6 +8,8 @@ from pathlib import Path
 
 from dpbench import records as records_lib
 from dpbench import tuning
+from dpbench.protocol import ProtocolError, at_epsilon
+from dpbench.search_space import privacy_support, trial_bindings
 
 SEARCH_FILE = tuning.SEARCH_FILE
 
@@ -25,10 +27,10 @@ def check_trials(method: str, gin_files, trials, run_bindings) -> None:
             config.parse_config(list(gin_files), [*bindings, *run_bindings])
             name, _ = config.pipeline_stages()
         except (config.ConfigError, ValueError, TypeError) as e:
-            raise tuning.ProtocolError(f"method {method!r}, trial {t}: its settings do not parse "
+            raise ProtocolError(f"method {method!r}, trial {t}: its settings do not parse "
                                 f"({e}); fix the key in the protocol") from e
         if name != method:
-            raise tuning.ProtocolError(
+            raise ProtocolError(
                 f"method {method!r} runs {gin_files[0]}, whose pipeline.name is {name!r}: a "
                 f"protocol's method key must be its pipeline's name (the board ranks records "
                 f"by it); rename the key to {name!r} or set pipeline.name = '{method}'")
@@ -36,17 +38,17 @@ def check_trials(method: str, gin_files, trials, run_bindings) -> None:
     try:
         stage_check.verify_pipeline(config.pipeline_stages()[1])
     except stage_check.StageCheckError as e:
-        raise tuning.ProtocolError(f"method {method!r}: {e}") from e
+        raise ProtocolError(f"method {method!r}: {e}") from e
 
 
 def support_event(gin_files, bindings) -> dict:
     """The DpEvent (JSON) a run with these settings would have, from the compiler's own
-    accounting; nothing trains."""
-    from dpbench import accounting, config, train
+    accounting (run.run_event: no step is lowered, traced or jitted); nothing trains."""
+    from dpbench import accounting, config, run
     config.parse_config(list(gin_files), list(bindings))
-    _, stages = train.pipeline_stages()
-    run = train.build_run(stages, config.TrainConfig(), accounting.Budget())
-    return accounting.event_to_json(run.compiled.run_event())
+    _, stages = config.pipeline_stages()
+    return accounting.event_to_json(run.run_event(stages, config.TrainConfig(),
+                                                  accounting.Budget()))
 
 
 def support_events(tasks, workers: int) -> list:
@@ -83,7 +85,7 @@ def plan_group(protocol: dict, family: str, epsilon: float, methods, workers: in
     entropy (never from the protocol's public seed), and its trials train with ``train.seed =
     None`` (seeds [None]): each run draws its own seed from the OS and writes it nowhere."""
     group = tuning.group_name(family, epsilon, protocol["delta"])
-    protocol = tuning.at_epsilon(protocol, epsilon)
+    protocol = at_epsilon(protocol, epsilon)
     spec = protocol["families"][family]
     secret_rng = secret_generator() if secret else None
     if secret:
@@ -99,11 +101,11 @@ def plan_group(protocol: dict, family: str, epsilon: float, methods, workers: in
     tasks = []
     for method in methods:
         gin_files = [spec["methods"][method]["gin_file"], *spec.get("gin_files", [])]
-        support = tuning.privacy_support(protocol, family, method)
+        support = privacy_support(protocol, family, method)
         tasks += [(method, gin_files, b) for b in support]
         plan["methods"][method] = dict(
             gin_files=gin_files, support=[],
-            trials=tuning.trial_bindings(protocol, family, group, method, num_random,
+            trials=trial_bindings(protocol, family, group, method, num_random,
                                          rng=secret_rng))
         check_trials(method, gin_files, plan["methods"][method]["trials"],
                             [*budget_bindings, "train.seed = 0"])
@@ -120,13 +122,13 @@ def prepare(protocol: dict, family: str, epsilon: float, methods, records: Path,
     path = records / group / SEARCH_FILE
     if path.exists():
         plan = json.loads(path.read_text())
-        protocol = tuning.at_epsilon(protocol, epsilon)  # the space in force at epsilon
+        protocol = at_epsilon(protocol, epsilon)  # the space in force at epsilon
         missing = [m for m in methods if m not in plan["methods"]]
         for method in set(methods) - set(missing):
-            fresh = tuning.trial_bindings(protocol, family, group, method, plan["num_random"])
+            fresh = trial_bindings(protocol, family, group, method, plan["num_random"])
             if fresh != plan["methods"][method]["trials"] or plan["family_spec"] != \
                     protocol["families"][family]:
-                raise tuning.ProtocolError(
+                raise ProtocolError(
                     f"{path}: the protocol changed since this search began ({method}'s trials "
                     "differ); restore the protocol, or start a new board in another --records")
         if not missing:

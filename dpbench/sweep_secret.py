@@ -19,6 +19,7 @@ from pathlib import Path
 
 from dpbench import records as records_lib
 from dpbench import tuning
+from dpbench.protocol import ProtocolError
 from dpbench.methods import REPO_ROOT as REPO
 from dpbench.sweep_plan import plan_group
 
@@ -35,7 +36,7 @@ def prepare_secret(protocol: dict, family: str, epsilon: float, methods, private
     if path.exists():
         plan = json.loads(path.read_text())
         if sorted(plan["methods"]) != sorted(methods):
-            raise tuning.ProtocolError(
+            raise ProtocolError(
                 f"{path}: this secret search runs {sorted(plan['methods'])}; rerun with "
                 "exactly those --methods (a new set of methods needs a new --runs_dir)")
         return plan

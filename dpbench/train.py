@@ -16,11 +16,11 @@ import jax.numpy as jnp
 import numpy as np
 from absl import logging
 
-from dpbench import (accounting, checkpoint, compiler, data, numerics, records, run_record,
-                     sharding, stage_check)
-from dpbench.config import TrainConfig, pipeline_stages  # noqa: F401  (train.TrainConfig too)
-# train.build_run and train.total_steps_for stay the API the benchmark and tests call
-from dpbench.run import Run, build_run, run_settings, total_steps_for  # noqa: F401
+from dpbench import (accounting, checkpoint, data, numerics, records, run_record, sharding,
+                     stage_check)
+from dpbench.compiler.rules import validate_pipeline
+from dpbench.config import TrainConfig, pipeline_stages
+from dpbench.run import Run, build_run, run_settings
 
 
 def _evaluate(apply_fn, params, split: data.Split, batch_size: int) -> float:
@@ -287,7 +287,7 @@ def train(workdir: str | Path, config: Optional[TrainConfig] = None,
     config.validate()
     budget = accounting.Budget() if budget is None else budget
     pipeline_name, stages = pipeline_stages()
-    compiler.validate_pipeline(stages)  # fail on a bad pipeline before loading any data
+    validate_pipeline(stages)  # fail on a bad pipeline before loading any data
     # a stage that is not dpbench's own: its declaration verified on synthetic data first
     verified = stage_check.verify_pipeline(stages)
     created = not workdir.exists()

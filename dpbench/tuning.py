@@ -35,6 +35,7 @@ from __future__ import annotations
 import functools
 import json
 import math
+import re
 from collections import Counter
 from pathlib import Path
 
@@ -45,11 +46,8 @@ from dp_accounting.rdp import rdp_privacy_accountant
 
 from dpbench import accounting
 
-# The protocol file's reading and checks, and what each trial binds (re-exported: sweep and
-# tests reach them here).
-from dpbench.protocol import ProtocolError, at_epsilon, load_protocol  # noqa: F401
-from dpbench.search_space import (binding, method_space, privacy_key,  # noqa: F401
-                                  privacy_support, shared_draw, stable_seed, trial_bindings)
+from dpbench.protocol import ProtocolError
+from dpbench.search_space import privacy_key, stable_seed
 
 SEARCH_FILE = "search.json"  # a group's plan, beside its published runs
 DIVERGED = "diverged.json"   # what a run that diverged publishes instead of its record
@@ -92,7 +90,15 @@ def secret_law(trials: dict) -> dict:
     return {k: trials["deployment"][k] for k in ("shape", "mean_random")}
 
 
+# The one place that writes (group_name, run_dir_name) and parses (GROUP_PATTERN,
+# parse_run_dir) a group's folder name and a published run's.
+GROUP_PATTERN = re.compile(r"^(?P<dataset>[\w\-]+)__(?P<model>[\w\-]+)__eps(?P<eps>[0-9.e+\-]+)"
+                           r"__delta(?P<delta>[0-9.e+\-]+)$")
+RUN_DIR_PATTERN = re.compile(r"^(?P<method>.+)-t(?P<trial>[0-9]+)-seed(?P<seed>[0-9]+|secret)$")
+
+
 def group_name(family: str, epsilon: float, delta: float) -> str:
+    """A group's folder: ``<dataset>__<model>__eps<E>__delta<D>`` (family = dataset__model)."""
     return f"{family}__eps{float(epsilon)}__delta{delta:g}"
 
 
@@ -244,6 +250,16 @@ def run_dir_name(method: str, trial: int, seed) -> str:
     """The directory of one published run of a search (and of its workdir); a secret search's
     trial (seed None: drawn from OS entropy inside the run, written nowhere) is 'seedsecret'."""
     return f"{method}-t{trial}-seed{'secret' if seed is None else seed}"
+
+
+def parse_run_dir(name: str):
+    """(method, trial, seed) of a run folder named by run_dir_name (seed None for 'secret'),
+    or None for any other name."""
+    match = RUN_DIR_PATTERN.match(name)
+    if match is None:
+        return None
+    seed = None if match["seed"] == "secret" else int(match["seed"])
+    return match["method"], int(match["trial"]), seed
 
 
 def trial_outcome(group_dir: Path, method: str, trial: int, seed: int):

@@ -35,6 +35,7 @@ from dp_accounting import dp_event
 from dp_accounting.rdp import rdp_privacy_accountant
 
 from dpbench import accounting, sampling
+from dpbench.run import total_steps_for
 
 # RDP orders the legacy sources minimised over (copied from those sources).
 # tensorflow/privacy tutorials/mnist_dpsgd_tutorial.py @ d435fcbf, compute_epsilon():
@@ -335,8 +336,7 @@ def test_small_q_long_runs_pld_is_no_looser_than_rdp_at_the_default_grid(row):
 # ------------------------------------------------------------------------------- step counts
 
 def _dpbench_total_steps(epochs, n, batch_size):
-    from dpbench import train
-    return train.total_steps_for(epochs, n, batch_size)  # what a run trains and accounts
+    return total_steps_for(epochs, n, batch_size)  # what a run trains and accounts
 
 
 @pytest.mark.parametrize("row", [r for r in KNOWN if "epochs" in r], ids=_ids)

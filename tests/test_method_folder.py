@@ -11,6 +11,7 @@ from dp_accounting import dp_event
 from dp_accounting.pld import pld_privacy_accountant
 
 from dpbench import accounting, methods, protocol, tuning
+from dpbench.protocol import load_protocol
 from tests.conftest import REPO_ROOT
 
 STAGE_MODULE = textwrap.dedent('''
@@ -90,13 +91,13 @@ def test_a_broken_method_folder_is_refused_naming_the_file(tmp_path, damage, mat
     folder = make_method(tmp_path)
     damage(folder)
     with pytest.raises(protocol.ProtocolError, match=match) as e:
-        tuning.load_protocol(tmp_path / "protocol.json")
+        load_protocol(tmp_path / "protocol.json")
     assert str(folder) in str(e.value)
 
 
 def test_a_protocol_names_methods_by_folder_and_refuses_an_unknown_or_doubled_one(tmp_path):
     make_method(tmp_path)
-    loaded = tuning.load_protocol(tmp_path / "protocol.json")
+    loaded = load_protocol(tmp_path / "protocol.json")
     entries = loaded["families"]["digits__logistic"]["methods"]
     assert entries["dpsgd"] == {"gin_file": "pipelines/dpsgd/pipeline.gin"}
     assert entries["halfclip"] == {
@@ -106,12 +107,12 @@ def test_a_protocol_names_methods_by_folder_and_refuses_an_unknown_or_doubled_on
         PROTOCOL["families"]["digits__logistic"], methods=["dpsgd", "halfclp"])})
     (tmp_path / "protocol.json").write_text(json.dumps(bad))
     with pytest.raises(protocol.ProtocolError, match=r"no method folder \['halfclp'\]"):
-        tuning.load_protocol(tmp_path / "protocol.json")
+        load_protocol(tmp_path / "protocol.json")
     (tmp_path / "my_methods" / "dpsgd").mkdir()
     for name in ("pipeline.gin", "method.json", "README.md"):
         (tmp_path / "my_methods" / "dpsgd" / name).write_text("{\"paper\": \"x\"}")
     with pytest.raises(protocol.ProtocolError, match="'dpsgd' is in both"):
-        tuning.load_protocol(tmp_path / "protocol.json")
+        load_protocol(tmp_path / "protocol.json")
 
 
 def test_a_methods_knobs_resolve_in_a_new_family_or_the_protocol_is_refused(tmp_path):
@@ -133,7 +134,7 @@ def test_a_methods_knobs_resolve_in_a_new_family_or_the_protocol_is_refused(tmp_
     with pytest.raises(protocol.ProtocolError,
                        match="method 'halfclip' has no search knobs for family "
                              "'digits__logistic'.*fashion_mnist__tanh_cnn.*\"\*\""):
-        tuning.load_protocol(tmp_path / "protocol.json")
+        load_protocol(tmp_path / "protocol.json")
 
 
 @pytest.mark.parametrize("q,sigma,steps", [

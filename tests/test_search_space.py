@@ -6,6 +6,8 @@ import numpy as np
 import pytest
 
 from dpbench import search_space, tuning
+from dpbench.protocol import ProtocolError, at_epsilon, load_protocol
+from dpbench.search_space import shared_draw, trial_bindings
 
 CLIP, LR = "clip.global_l2.l2_bound", "optimize.optax.learning_rate"
 
@@ -37,10 +39,10 @@ def _values(bindings):
 
 def test_trial_j_shares_its_draw_across_methods_and_own_knobs_are_the_methods_own():
     p = protocol()
-    trials = {m: tuning.trial_bindings(p, "F", "G", m, 8)
+    trials = {m: trial_bindings(p, "F", "G", m, 8)
               for m in ("plain", "own", "renamed", "apart")}
     for j in range(1, 9):
-        draws = {m: tuning.shared_draw(t[j], p, "F", m) for m, t in trials.items()}
+        draws = {m: shared_draw(t[j], p, "F", m) for m, t in trials.items()}
         assert draws["plain"] == draws["own"] == draws["renamed"], j
         assert len(draws["plain"]) == 4
         # 'apart' keeps only the keys it neither excludes nor redefines, with the same values
@@ -54,13 +56,13 @@ def test_trial_j_shares_its_draw_across_methods_and_own_knobs_are_the_methods_ow
     # stratified clips round to the same 4 digits only within 1e-3 in log of each other: the
     # closest pair is that close in 4e-5 of protocol seeds, fit over 60,000 of them)
     assert len({trials["plain"][j][0] for j in range(1, 9)}) == 8
-    assert tuning.trial_bindings(p, "F", "H", "plain", 8) != trials["plain"]
-    assert tuning.trial_bindings(p, "F", "G", "plain", 8) == trials["plain"]
+    assert trial_bindings(p, "F", "H", "plain", 8) != trials["plain"]
+    assert trial_bindings(p, "F", "G", "plain", 8) == trials["plain"]
 
 
 def test_the_learning_rate_is_drawn_as_the_effective_step_over_the_clip():
     p = protocol()
-    for trial in tuning.trial_bindings(p, "F", "G", "plain", 8)[1:]:
+    for trial in trial_bindings(p, "F", "G", "plain", 8)[1:]:
         v = _values(trial)
         step = float(v[LR]) * float(v[CLIP])
         assert 0.1 * (1 - 1e-3) <= step <= 1.6 * (1 + 1e-3)  # 4 significant digits each
@@ -77,7 +79,7 @@ def test_points_are_stratified_in_every_dimension():
 
 def test_a_choice_is_taken_evenly_over_a_balanced_block():
     p = protocol()
-    sizes = [_values(t)["train.batch_size"] for t in tuning.trial_bindings(p, "F", "G", "plain",
+    sizes = [_values(t)["train.batch_size"] for t in trial_bindings(p, "F", "G", "plain",
                                                                            8)[1:]]
     assert sorted(sizes) == ["128"] * 4 + ["256"] * 4
 
@@ -95,8 +97,8 @@ def test_a_bad_derived_or_renamed_key_is_refused(tmp_path, change, message):
     change(p)
     path = tmp_path / "protocol.json"
     path.write_text(json.dumps(p))
-    with pytest.raises(tuning.ProtocolError, match=message):
-        tuning.load_protocol(path)
+    with pytest.raises(ProtocolError, match=message):
+        load_protocol(path)
 
 
 def test_a_range_of_its_own_at_one_epsilon_keeps_each_trials_point_and_every_other_group():
@@ -108,13 +110,13 @@ def test_a_range_of_its_own_at_one_epsilon_keeps_each_trials_point_and_every_oth
     lo, hi = sorted(np.exp(np.random.default_rng().uniform(np.log(0.01), np.log(2.0), 2)))
     revised = json.loads(json.dumps(p))
     revised["families"]["F"]["space"][LR]["at_epsilon"] = {"1.0": [lo, hi]}
-    assert tuning.at_epsilon(revised, 3.0) == tuning.at_epsilon(p, 3.0) == p
-    at_one = tuning.at_epsilon(revised, 1.0)
+    assert at_epsilon(revised, 3.0) == at_epsilon(p, 3.0) == p
+    at_one = at_epsilon(revised, 1.0)
     assert at_one["families"]["F"]["space"][LR] == {"log_uniform": [lo, hi], "over": CLIP}
-    assert tuning.at_epsilon(at_one, 1.0) == at_one  # resolving twice changes nothing
+    assert at_epsilon(at_one, 1.0) == at_one  # resolving twice changes nothing
     for method in ("plain", "own", "renamed"):
-        old = tuning.trial_bindings(p, "F", "G", method, 8)
-        new = tuning.trial_bindings(at_one, "F", "G", method, 8)
+        old = trial_bindings(p, "F", "G", method, 8)
+        new = trial_bindings(at_one, "F", "G", method, 8)
         assert new[0] == old[0]  # the recipe
         for j in range(1, 9):
             a, b = _values(old[j]), _values(new[j])
@@ -127,9 +129,9 @@ def test_a_range_of_its_own_at_one_epsilon_keeps_each_trials_point_and_every_oth
     # a method's own range takes an "at_epsilon" too, and an entry may state its own source
     revised["families"]["F"]["methods"]["apart"]["space"][LR]["at_epsilon"] = {
         "1": {"range": [3.0, 4.0], "source": "why"}}
-    assert tuning.at_epsilon(revised, 1.0)["families"]["F"]["methods"]["apart"]["space"][LR] \
+    assert at_epsilon(revised, 1.0)["families"]["F"]["methods"]["apart"]["space"][LR] \
         == {"log_uniform": [3.0, 4.0], "source": "why"}
-    for trial in tuning.trial_bindings(tuning.at_epsilon(revised, 1.0), "F", "G", "apart", 8)[1:]:
+    for trial in trial_bindings(at_epsilon(revised, 1.0), "F", "G", "apart", 8)[1:]:
         assert 3.0 <= float(_values(trial)[LR]) <= 4.0
 
 
@@ -149,13 +151,13 @@ def test_a_bad_range_at_an_epsilon_is_refused(tmp_path, at_epsilon, message):
     p["families"]["F"]["space"][LR]["at_epsilon"] = at_epsilon
     path = tmp_path / "protocol.json"
     path.write_text(json.dumps(p))
-    with pytest.raises(tuning.ProtocolError, match=message):
-        tuning.load_protocol(path)
+    with pytest.raises(ProtocolError, match=message):
+        load_protocol(path)
     p["families"]["F"]["space"][LR].pop("at_epsilon")  # only ranges have one
     p["families"]["F"]["space"]["train.ema_decay"]["at_epsilon"] = {"1.0": [0.0, 0.9]}
     path.write_text(json.dumps(p))
-    with pytest.raises(tuning.ProtocolError, match="needs a log_uniform or uniform range"):
-        tuning.load_protocol(path)
+    with pytest.raises(ProtocolError, match="needs a log_uniform or uniform range"):
+        load_protocol(path)
 
 
 def test_the_test_protocol_loads(tmp_path):
@@ -163,7 +165,7 @@ def test_the_test_protocol_loads(tmp_path):
     p.update(delta=1e-5, epsilons=[1.0], seeds=[0])
     path = tmp_path / "protocol.json"
     path.write_text(json.dumps(p))
-    loaded = tuning.load_protocol(path)
+    loaded = load_protocol(path)
     assert set(loaded["families"]["F"]["methods"]) == {"plain", "own", "renamed", "apart"}
 
 
@@ -171,15 +173,15 @@ def test_a_secret_searchs_draws_are_iid_from_its_own_generator_and_inside_the_sp
     """A secret search (Papernot & Steinke) draws each trial i.i.d. from OS entropy: two
     generators give different trials, the public seed plays no part, values stay in range."""
     p = protocol()
-    a = tuning.trial_bindings(p, "F", "G", "own", 32, rng=np.random.default_rng())
-    b = tuning.trial_bindings(p, "F", "G", "own", 32, rng=np.random.default_rng())
+    a = trial_bindings(p, "F", "G", "own", 32, rng=np.random.default_rng())
+    b = trial_bindings(p, "F", "G", "own", 32, rng=np.random.default_rng())
     assert a[0] == b[0]  # trial 0 is the recipe
     assert a[1:] != b[1:]  # 32 equal draws from two entropy seeds: never (< 1e-100)
     for trial in a[1:]:
         v = _values(trial)
         assert 0.02 <= float(v[CLIP]) <= 0.2 and v["train.batch_size"] in ("128", "256")
         assert 0.1 * 0.999 <= float(v[LR]) * float(v[CLIP]) <= 1.6 * 1.001
-    with pytest.raises(tuning.ProtocolError, match="deployment"):
+    with pytest.raises(ProtocolError, match="deployment"):
         tuning.secret_law({"fixed": 8})
     assert tuning.secret_law({"fixed": 8, "deployment": {"shape": "inf", "mean_random": 7}}) \
         == {"shape": "inf", "mean_random": 7}

@@ -140,3 +140,85 @@ def test_the_board_reads_records_without_the_compiler_transitively():
     # the check can fail: one made-up import two floors down is found
     graph["dpbench.tuning"] = graph["dpbench.tuning"] | {"dpbench.compiler.pipeline"}
     assert "dpbench.compiler.pipeline" in reached()
+
+
+# The floors of the house (WORKSPACE.md, "Floors"): every module sits on one, by its dotted
+# name's longest matching prefix ("dpbench.sweep" covers sweep_plan, sweep_cost, ...), and may
+# import only its own floor and the floors listed for it.
+FLOORS = {
+    "core": ("dpbench.accounting", "dpbench.exact", "dpbench.ops", "dpbench.records",
+             "dpbench.sampling", "dpbench.sharding", "dpbench.numerics", "dpbench.checkpoint"),
+    "models/data": ("dpbench.models", "dpbench.wide_resnet", "dpbench.data", "dpbench.features"),
+    "stages": ("dpbench.stages",),
+    "compiler": ("dpbench.compiler",),
+    "search": ("dpbench.methods", "dpbench.protocol", "dpbench.search_space", "dpbench.tuning"),
+    "board": ("dpbench.board",),
+    "run": ("dpbench.config", "dpbench.run", "dpbench.run_record", "dpbench.train",
+            "dpbench.stage_check", "dpbench.audit", "dpbench.api"),
+    "sweep": ("dpbench.sweep",),
+    "cli": ("dpbench", "dpbench.main"),
+}
+MAY_IMPORT = {
+    "core": (),
+    "models/data": ("core",),
+    "stages": ("core",),
+    "compiler": ("core", "models/data", "stages"),
+    "search": ("core",),
+    "board": ("core", "search"),
+    "run": ("core", "models/data", "stages", "compiler", "search"),
+    "sweep": ("core", "search", "run", "board"),
+    "cli": tuple(FLOORS),
+}
+
+
+def floor_of(module: str):
+    best = None
+    for floor, prefixes in FLOORS.items():
+        for prefix in prefixes:
+            if module == prefix or (prefix != "dpbench" and module.startswith(
+                    (prefix + ".", prefix + "_"))):
+                if best is None or len(prefix) > best[1]:
+                    best = (floor, len(prefix))
+    return None if best is None else best[0]
+
+
+def _floor_breaks(graph: dict) -> list:
+    breaks = []
+    for module, imported in graph.items():
+        here = floor_of(module)
+        for other in imported:
+            there = floor_of(other)
+            if there != here and there not in MAY_IMPORT[here]:
+                breaks.append(f"{module} ({here}) imports {other} ({there})")
+    return sorted(breaks)
+
+
+def test_every_module_sits_on_a_floor_and_imports_only_the_floors_below_it():
+    modules = _modules()
+    assert not [m for m in modules if floor_of(m) is None]
+    graph = {name: _imports(path, modules) - {name} for name, path in modules.items()}
+    assert _floor_breaks(graph) == []
+    # the table is a DAG of floors (no two floors may import each other)
+    for floor, below in MAY_IMPORT.items():
+        assert floor == "cli" or all(floor not in MAY_IMPORT[b] for b in below), floor
+    # the check can fail: a search module reaching into the sweep, a stage into the compiler
+    graph["dpbench.tuning"] = graph["dpbench.tuning"] | {"dpbench.sweep_plan"}
+    graph["dpbench.stages.clip"] = graph["dpbench.stages.clip"] | {"dpbench.compiler.rules"}
+    assert _floor_breaks(graph) == [
+        "dpbench.stages.clip (stages) imports dpbench.compiler.rules (compiler)",
+        "dpbench.tuning (search) imports dpbench.sweep_plan (sweep)"]
+
+
+def test_the_longest_import_chain_is_at_most_11_modules():
+    """The house's height: the import DAG's longest chain (a module's floor number is one
+    more than its highest import's). 15 before the compiler's callers imported its modules
+    directly and the sweep read its events without building a run; ~10 is the aim."""
+    modules = _modules()
+    graph = {name: _imports(path, modules) - {name} for name, path in modules.items()}
+    levels = {}
+
+    def level(module):
+        if module not in levels:
+            levels[module] = 1 + max((level(m) for m in graph[module]), default=0)
+        return levels[module]
+    assert max(level(m) for m in graph) <= 11, sorted(levels.items(), key=lambda kv: -kv[1])[:8]

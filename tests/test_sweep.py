@@ -23,6 +23,8 @@ from dp_accounting.pld import pld_privacy_accountant
 from dp_accounting.rdp import rdp_privacy_accountant
 
 from dpbench import accounting, config, methods, sweep, sweep_cost, sweep_secret, tuning
+from dpbench.protocol import ProtocolError, at_epsilon, load_protocol
+from dpbench.search_space import privacy_key, trial_bindings
 from tests.conftest import HANG_GUARD_S, run_guarded, wait_guarded
 
 GROUP = "digits__logistic__eps3.0__delta1e-05"
@@ -238,7 +240,7 @@ def test_a_fixed_k_board_states_its_deployments_secret_k_epsilon(finished_sweep,
         assert got["deployment_epsilon"] is None
         assert "overflow" in got["deployment_note"] and "overflow_stddevs" in got["deployment_note"]
         assert got["search_epsilon"] > 0  # K public: unaffected
-    with pytest.raises(tuning.ProtocolError, match="deployment"):
+    with pytest.raises(ProtocolError, match="deployment"):
         from dpbench import protocol
         protocol._check_trial_law("p.json", {"fixed": 8, "deployment": {"mean_random": 7}})
 
@@ -369,7 +371,7 @@ def test_a_changed_protocol_is_refused_once_a_search_began(tmp_path):
     assert 0.01 <= float(drawn["optimize.optax.learning_rate"]) <= 0.02
     protocol["families"]["digits__logistic"]["space"]["optimize.optax.learning_rate"] = {
         "log_uniform": [0.1, 1.0]}
-    with pytest.raises(tuning.ProtocolError, match="the protocol changed") as e:
+    with pytest.raises(ProtocolError, match="the protocol changed") as e:
         sweep.prepare(protocol, "digits__logistic", 3.0, ["dpsgd"], tmp_path)
     assert str(tmp_path / GROUP / sweep.SEARCH_FILE) in str(e.value)
 
@@ -484,7 +486,7 @@ def test_a_protocol_typo_or_a_misnamed_method_is_refused_before_anything_is_writ
     family["methods"].pop("rs")
     break_it(family)
     method = next(iter(family["methods"]))
-    with pytest.raises(tuning.ProtocolError, match=match):
+    with pytest.raises(ProtocolError, match=match):
         sweep.prepare(protocol, "digits__logistic", 3.0, [method], tmp_path)
     assert not (tmp_path / GROUP).exists()
 
@@ -715,11 +717,11 @@ def test_a_secret_search_trains_on_secret_noise_and_publishes_only_each_winner(t
     rdp.compose(dp_event.ComposedDpEvent([view, dp_event.RepeatAndSelectDpEvent(view, 1, 1)]))
     assert release["epsilon"] == pytest.approx(rdp.get_epsilon(1e-5), rel=1e-3)
     assert "num_trials" not in release and "kept secret" in release["statement"]
-    loaded = tuning.load_protocol(tmp_path / "a" / "protocol.json")
+    loaded = load_protocol(tmp_path / "a" / "protocol.json")
     again = sweep_secret.prepare_secret(loaded, "digits__logistic", 3.0, ["dpsgd"],
                                         private.parent)
     assert again == plan and json.loads(plan_path.read_text()) == plan  # not drawn again
-    with pytest.raises(tuning.ProtocolError, match="exactly those --methods"):
+    with pytest.raises(ProtocolError, match="exactly those --methods"):
         sweep_secret.prepare_secret(loaded, "digits__logistic", 3.0, ["dpsgd", "rs"],
                                     private.parent)
     assert sweep_secret.into_board_reason(config.REPO_ROOT / "leaderboard" / "records")
@@ -740,8 +742,8 @@ def test_a_secret_searchs_trial_count_follows_the_deployment_law_over_searches()
                       for _ in range(4000)])
     assert trial_count_p_value(fixed, 5.0, 1.0) < 1e-6
     # and the trials: two secret draws of the same space differ (i.i.d. from OS entropy)
-    protocol = tuning.at_epsilon(json.loads(json.dumps(PROTOCOL)), 3.0)
-    a, b = (tuning.trial_bindings(protocol, "digits__logistic", GROUP, "dpsgd", 3,
+    protocol = at_epsilon(json.loads(json.dumps(PROTOCOL)), 3.0)
+    a, b = (trial_bindings(protocol, "digits__logistic", GROUP, "dpsgd", 3,
                                   rng=sweep_plan.secret_generator()) for _ in range(2))
     assert a[0] == b[0] and a[1:] != b[1:]  # trial 0 is the recipe; the rest are drawn
 
@@ -949,10 +951,10 @@ def test_a_diverged_trial_counts_in_everything_published_at_its_planned_event(
     (group / f"{OTHER}-t1-seed0" / tuning.DIVERGED).write_text("{}")
     other = paired.analyse_group(group, {})["methods"][OTHER]
     assert other["winner"] == 0
-    key = tuning.privacy_key(plan["methods"][OTHER]["trials"][1], tuning._protocol_of(plan),
+    key = privacy_key(plan["methods"][OTHER]["trials"][1], tuning._protocol_of(plan),
                              plan["family"], OTHER)
     (planned,) = [s["event"] for s in plan["methods"][OTHER]["support"]
-                  if tuning.privacy_key(s["bindings"], tuning._protocol_of(plan),
+                  if privacy_key(s["bindings"], tuning._protocol_of(plan),
                                         plan["family"], OTHER) == key]
     events = [recipe["dp_event"]] * 4 + [planned]
     pld = accounting.make_accountant(accounting.Budget(epsilon=1.0, delta=1e-5,

@@ -16,6 +16,8 @@ import pytest
 from dp_accounting import dp_event
 
 from dpbench import accounting, checkpoint, config, data, methods, records, run_record, train
+from dpbench.config import TrainConfig, pipeline_stages
+from dpbench.run import build_run, run_settings
 
 
 def expect_check(check, *args, broken: bool) -> None:
@@ -98,7 +100,7 @@ def built(case: str):
     config.parse_config(files, list(SMALL) + bindings)
     _, stages = config.pipeline_stages()
     train_config, budget = config.TrainConfig(), accounting.Budget()
-    run = train.build_run(stages, train_config, budget)
+    run = build_run(stages, train_config, budget)
     end_step, _ = train._budget_stop(run.compiled, budget, train_config)
     return run, budget, train_config, end_step, run.compiled.epsilon_after(end_step)
 
@@ -210,10 +212,9 @@ def built_dpsgd():
     config.parse_config(["pipelines/dpsgd", "gin/data/digits.gin"], ["train.epochs = 1"])
     name, stages = config.pipeline_stages()
     train_config, budget = config.TrainConfig(), accounting.Budget()
-    run = train.build_run(stages, train_config, budget)
-    settings = train.run_settings(pipeline_name=name, compiled=run.compiled,
-                                  dataset=run.dataset, config=train_config, budget=budget,
-                                  model_name=run.model_name)
+    run = build_run(stages, train_config, budget)
+    settings = run_settings(pipeline_name=name, compiled=run.compiled, dataset=run.dataset,
+                            config=train_config, budget=budget, model_name=run.model_name)
     return run, settings, train_config
 
 
@@ -269,9 +270,9 @@ def test_gep_anchors_are_the_datasets_public_split():
         "dataset.public_size = 48", "gep.embed_and_clip.num_anchors = 40",
         "gep.embed_and_clip.num_basis = 20"])
     try:
-        _, stages = train.pipeline_stages()
+        _, stages = pipeline_stages()
         compiler.validate_pipeline(stages)
-        run = train.build_run(stages, train.TrainConfig(), accounting.Budget())
+        run = build_run(stages, TrainConfig(), accounting.Budget())
         states = [s for s in run.initial_state().stage_states
                   if isinstance(s, dict) and "anchors" in s]
     finally:

@@ -10,6 +10,8 @@ from dp_accounting import dp_event
 from dp_accounting.rdp import rdp_privacy_accountant
 
 from dpbench import accounting, config, tuning
+from dpbench.protocol import ProtocolError, at_epsilon, load_protocol
+from dpbench.search_space import privacy_key, privacy_support, trial_bindings
 
 # DESIGN.md section 7's run: DP-SGD at eps 3 on the tanh CNN (q 0.0186, sigma 1.276, 1612 steps)
 RUN = dp_event.SelfComposedDpEvent(
@@ -143,17 +145,17 @@ def protocol(**space):
 
 def test_trials_are_the_recipe_then_draws_from_the_space(tmp_path):
     p = protocol()
-    trials = tuning.trial_bindings(p, "digits__logistic", "G", "dpsgd", 4)
+    trials = trial_bindings(p, "digits__logistic", "G", "dpsgd", 4)
     assert trials[0] == ["train.log_every_steps = 5", "train.epochs = 2"]
-    assert trials == tuning.trial_bindings(p, "digits__logistic", "G", "dpsgd", 4)
+    assert trials == trial_bindings(p, "digits__logistic", "G", "dpsgd", 4)
     for t in trials[1:]:
         values = dict(b.split(" = ") for b in t)
         assert 0.5 <= float(values["optimize.optax.learning_rate"]) <= 4.0
         assert values["train.batch_size"] in ("128", "256") and values["train.epochs"] == "2"
-    gep = tuning.trial_bindings(p, "digits__logistic", "G", "gep", 1)[1]
+    gep = trial_bindings(p, "digits__logistic", "G", "gep", 1)[1]
     assert "PRUNE = @prune.random()" in gep  # a gin reference is bound as one
     assert not any(b.startswith("optimize.optax.learning_rate") for b in gep)
-    support = tuning.privacy_support(p, "digits__logistic", "dpsgd")
+    support = privacy_support(p, "digits__logistic", "dpsgd")
     assert [s[1:] for s in support] == [["train.batch_size = 128", "train.epochs = 2"],
                                         ["train.batch_size = 256", "train.epochs = 2"]]
 
@@ -169,8 +171,8 @@ def test_trials_are_the_recipe_then_draws_from_the_space(tmp_path):
 def test_a_bad_space_is_refused_naming_the_key(tmp_path, space, message):
     path = tmp_path / "protocol.json"
     path.write_text(__import__("json").dumps(protocol(**space)))
-    with pytest.raises(tuning.ProtocolError, match=message) as e:
-        tuning.load_protocol(path)
+    with pytest.raises(ProtocolError, match=message) as e:
+        load_protocol(path)
     assert str(path) in str(e.value) and list(space)[0] in str(e.value)
 
 
@@ -189,28 +191,28 @@ def test_an_unknown_key_at_any_level_is_refused_naming_it(tmp_path, break_it, wh
     path = tmp_path / "protocol.json"
     good = protocol()
     path.write_text(__import__("json").dumps(good))
-    tuning.load_protocol(path)  # the same protocol without the typo loads
+    load_protocol(path)  # the same protocol without the typo loads
     break_it(good)
     path.write_text(__import__("json").dumps(good))
-    with pytest.raises(tuning.ProtocolError, match=rf"{where}.*unknown keys \['{key}'\]"):
-        tuning.load_protocol(path)
+    with pytest.raises(ProtocolError, match=rf"{where}.*unknown keys \['{key}'\]"):
+        load_protocol(path)
 
 
 def test_every_trial_of_the_boards_protocol_is_a_valid_configuration():
     """Each method's trial 0 and a drawn trial parse with its pipeline and family files (gin
     checks every name), and the drawn values of privacy keys come from the support."""
-    p = tuning.load_protocol(config.REPO_ROOT / "leaderboard" / "protocol.json")
+    p = load_protocol(config.REPO_ROOT / "leaderboard" / "protocol.json")
     assert p["trials"]["fixed"] >= 8  # board v3: K >= 8 for every method of every group
     assert p["trials"]["deployment"]["mean_random"] + 1 >= 8  # the secret-K deployment's
     for family, spec, epsilon in [(f, s, e) for e in p["epsilons"]
-                                  for f, s in tuning.at_epsilon(p, e)["families"].items()]:
-        at = tuning.at_epsilon(p, epsilon)  # the space a group at that epsilon draws from
+                                  for f, s in at_epsilon(p, e)["families"].items()]:
+        at = at_epsilon(p, epsilon)  # the space a group at that epsilon draws from
         for method, m in spec["methods"].items():
             files = [m["gin_file"], *spec.get("gin_files", [])]
-            support = {tuple(s) for s in tuning.privacy_support(at, family, method)}
-            for trial in tuning.trial_bindings(at, family, "G", method, 1):
+            support = {tuple(s) for s in privacy_support(at, family, method)}
+            for trial in trial_bindings(at, family, "G", method, 1):
                 config.parse_config(files, trial)
-            key = tuning.privacy_key(trial, at, family, method)
+            key = privacy_key(trial, at, family, method)
             assert any(set(key) <= set(s) for s in support)
 
 
@@ -323,3 +325,20 @@ def test_the_memoised_epsilons_are_keyed_on_the_events_content_not_on_their_iden
     assert tuning.search_epsilon(run, [run, longer], **kw) > first  # a worse support point
     assert tuning.search_epsilon(run, [run], **dict(kw, mean_random=4.0)) > first
     assert tuning.search_epsilon(run, [run], **dict(kw, shape=0.5)) != first
+
+
+@pytest.mark.parametrize("family, epsilon, delta", [("fashion_mnist__tanh_cnn", 3, 1e-5),
+                                                    ("digits__scatter-linear", 0.5, 1e-4)])
+def test_a_group_folder_name_parses_back_to_what_wrote_it(family, epsilon, delta):
+    """tuning writes and parses group and run folder names in one place."""
+    match = tuning.GROUP_PATTERN.match(tuning.group_name(family, epsilon, delta))
+    assert f"{match['dataset']}__{match['model']}" == family
+    assert float(match["eps"]) == epsilon and float(match["delta"]) == delta
+
+
+@pytest.mark.parametrize("method, trial, seed", [("dpsgd", 0, 0), ("gep-t2", 11, 3),
+                                                 ("halfclip", 4, None)])
+def test_a_run_folder_name_parses_back_to_what_wrote_it(method, trial, seed):
+    name = tuning.run_dir_name(method, trial, seed)
+    assert tuning.parse_run_dir(name) == (method, trial, seed)
+    assert tuning.parse_run_dir(name + "x") is None and tuning.parse_run_dir("search.json") is None

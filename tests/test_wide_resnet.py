@@ -14,8 +14,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dpbench import accounting, compiler, config, models, sampling, stages, train
+from dpbench import accounting, compiler, config, models, sampling, stages
 from dpbench.compiler import bookkeeping
+from dpbench.config import pipeline_stages
+from dpbench.run import build_run
 from tests.conftest import REPO_ROOT, make_batch, run_guarded
 
 
@@ -74,8 +76,8 @@ def test_dp_sgd_on_wrn_16_4_takes_two_steps_on_fashion_mnist_by_bookkeeping(wrn_
     config.parse_config(["pipelines/dpsgd", "gin/data/fashion_mnist.gin",
                          "gin/model/wrn16_4.gin"],
                         ["train.batch_size = 8", "train.micro_batch_size = 8"])
-    _, stages = train.pipeline_stages()
-    run = train.build_run(stages, config.TrainConfig(), accounting.Budget())
+    _, stages = pipeline_stages()
+    run = build_run(stages, config.TrainConfig(), accounting.Budget())
     assert run.model_name == "wrn" and run.compiled.plan.strategy == "bookkeeping"
     assert run.compiled.plan.strategy_reason == ""
     assert any("zero-padded at the centre to 32x32" in item["what"] for item in run.inputs)

@@ -30,7 +30,8 @@ import numpy as np
 
 from dpbench import methods, search_space, tuning
 from dpbench.board import uncertainty
-from dpbench.board.results import BASELINE, GROUP_PATTERN
+from dpbench.board.results import BASELINE
+from dpbench.tuning import GROUP_PATTERN
 from dpbench.board.verdicts import baseline_check
 
 DRAWS = 100_000  # bootstrap draws per gain; each interval prints its ends' Monte Carlo error

@@ -10,7 +10,7 @@ import numpy as np
 
 from dpbench import records as records_lib
 from dpbench import tuning
-from dpbench.board.results import GROUP_PATTERN
+from dpbench.tuning import GROUP_PATTERN
 
 
 def plot_groups(table: dict, out_dir: Path) -> dict:

@@ -14,12 +14,37 @@ def _fmt(value, spec, missing="n/a"):
     return missing if value is None else format(value, spec)
 
 
-COLUMNS = ("method", "configuration (chosen on validation)", "test acc (mean ± std)",
-           "gain vs DP-SGD (± s.e.)", "seeds", "configs tried", "trials K (law)",
-           "ε incl. tuning", "σ", "steps", "batch", "epochs", "ε (reported)", "accountant",
-           "sampling",
-           "step time vs DP-SGD", "audit ε_lb", "cos(release, clean)", "noise/signal",
-           "privacy statement")
+def _step_ratio(row) -> str:
+    return _fmt(row["step_ratio"], ".2f") + ("" if row["step_ratio"] is None else
+                                             "x" if row["step_source"] == "bench" else "x†")
+
+
+# The group table, one column per entry: (header, the cell's text from the table row).
+GROUP_COLUMNS = (
+    ("method", lambda r: r["method"]),
+    ("configuration (chosen on validation)", lambda r: r["config_label"]),
+    ("test acc (mean ± std)",
+     lambda r: f"{100 * r['test_mean']:.2f} ± {100 * r['test_std']:.2f}"),
+    ("gain vs DP-SGD (± s.e.)", lambda r: gain_text(r["gain"], r["gain_se"])),
+    ("seeds", lambda r: str(r["seeds"])),
+    ("configs tried", lambda r: str(r["configs_tried"])),
+    ("trials K (law)", lambda r: _trials_cell(r["search"])),
+    ("ε incl. tuning", lambda r: _fmt(None if r["search"] is None else
+                                      r["search"]["search_epsilon"], ".3f")),
+    ("σ", lambda r: f"{r['noise_multiplier']:.4f}"),
+    ("steps", lambda r: str(r["steps"])),
+    ("batch", lambda r: str(r["batch_size"])),
+    ("epochs", lambda r: f"{r['epochs']:g}"),
+    ("ε (reported)", lambda r: f"{r['epsilon']:.4f}"),
+    ("accountant", lambda r: r["accountant"]),
+    ("sampling", lambda r: r["sampling"]),
+    ("step time vs DP-SGD", _step_ratio),
+    ("audit ε_lb", lambda r: _fmt(r["audit_epsilon_lb"], ".3f")),
+    ("cos(release, clean)", lambda r: _fmt(r["fidelity_cosine"], ".3f")),
+    ("noise/signal", lambda r: _fmt(r["noise_to_signal"], ".2f")),
+    ("privacy statement", lambda r: str(r["statement"])),  # a link to the record
+)
+COLUMNS = tuple(header for header, _ in GROUP_COLUMNS)
 
 
 SELECTION_RULE = (
@@ -43,18 +68,35 @@ SELECTION_RULE = (
 
 
 def _cells(row) -> list[str]:
-    return [row["method"], row["config_label"],
-            f"{100 * row['test_mean']:.2f} ± {100 * row['test_std']:.2f}",
-            gain_text(row["gain"], row["gain_se"]),
-            str(row["seeds"]), str(row["configs_tried"]), _trials_cell(row["search"]),
-            _fmt(None if row["search"] is None else row["search"]["search_epsilon"], ".3f"),
-            f"{row['noise_multiplier']:.4f}",
-            str(row["steps"]), str(row["batch_size"]), f"{row['epochs']:g}",
-            f"{row['epsilon']:.4f}", row["accountant"], row["sampling"],
-            _fmt(row["step_ratio"], ".2f") + ("" if row["step_ratio"] is None else
-                                               "x" if row["step_source"] == "bench" else "x†"),
-            _fmt(row["audit_epsilon_lb"], ".3f"), _fmt(row["fidelity_cosine"], ".3f"),
-            _fmt(row["noise_to_signal"], ".2f"), str(row["statement"])]
+    return [cell(row) for _, cell in GROUP_COLUMNS]
+
+
+def markdown_table(columns, rows, link_last: bool = False) -> list:
+    """A table's Markdown lines (header, rule, one line per row of cell texts); ``link_last``:
+    the last cell is a path shown as a [record] link."""
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    for cells in rows:
+        cells = list(cells)
+        if link_last:
+            cells[-1] = f"[record]({cells[-1]})"
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
+def html_table(columns, rows, link_last: bool = False, fold: int = 0) -> list:
+    """The same table's HTML lines ('<table><tr>' + headers, one line per row, '</table>'),
+    every text escaped; ``fold``: a second cell longer than this many characters is folded
+    (details/summary), so the table stays one screen wide."""
+    lines = ["<table><tr>" + "".join(f"<th>{html.escape(c)}</th>" for c in columns) + "</tr>"]
+    for raw in rows:
+        cells = [html.escape(c) for c in raw]
+        if link_last:
+            cells[-1] = f"<a href='{cells[-1]}'>record</a>"
+        if fold and len(raw[1]) > fold:
+            short = html.escape(raw[1][:fold - 10])  # never cut an entity
+            cells[1] = f"<details><summary>{short}…</summary>{cells[1]}</details>"
+        lines.append("<tr>" + "".join(f"<td>{c}</td>" for c in cells) + "</tr>")
+    return lines + ["</table>"]
 
 
 LAWS = {0: "logarithmic", 1: "geometric", "inf": "Poisson"}
@@ -111,9 +153,7 @@ def _headline_markdown(headline) -> list:
                   h["baseline"], ""]
     for h in headline:
         title, cells = h["table"]
-        lines += [f"## {title}", "", "| " + " | ".join(V3_COLUMNS) + " |",
-                  "|" + "---|" * len(V3_COLUMNS)]
-        lines += ["| " + " | ".join(row) + " |" for row in cells] + [""]
+        lines += [f"## {title}", "", *markdown_table(V3_COLUMNS, cells), ""]
     return lines
 
 
@@ -129,12 +169,12 @@ def _headline_html(headline) -> list:
                   f"<p class='note'>{_inline_markdown(h['baseline'])}</p>"]
     for h in headline:
         title, cells = h["table"]
-        parts.append(f"<h2>{html.escape(title)}</h2><table><tr>" + "".join(
-            f"<th>{html.escape(c)}</th>" for c in V3_COLUMNS) + "</tr>")
-        parts += ["<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in row) + "</tr>"
-                  for row in cells]
-        parts.append("</table>")
+        parts += _titled_html(title, html_table(V3_COLUMNS, cells))
     return parts
+
+
+def _titled_html(title: str, table: list) -> list:
+    return [f"<h2>{html.escape(title)}</h2>" + table[0], *table[1:]]
 
 
 def render_markdown(table: dict, plots: dict, note: str = "", trial_plots=None,
@@ -151,9 +191,7 @@ def render_markdown(table: dict, plots: dict, note: str = "", trial_plots=None,
     if note:
         lines += [note.strip(), ""]
     for title, cells in verdicts or []:
-        lines += [f"## {title}", "", "| " + " | ".join(VERDICT_COLUMNS) + " |",
-                  "|" + "---|" * len(VERDICT_COLUMNS)]
-        lines += ["| " + " | ".join(row) + " |" for row in cells] + [""]
+        lines += [f"## {title}", "", *markdown_table(VERDICT_COLUMNS, cells), ""]
     for group, rows in table.items():
         lines += [f"## {group}", ""]
         if group in plots:
@@ -161,12 +199,7 @@ def render_markdown(table: dict, plots: dict, note: str = "", trial_plots=None,
         if group in (trial_plots or {}):
             lines += [f"![expected best validation accuracy vs trials]({trial_plots[group]})",
                       ""]
-        lines.append("| " + " | ".join(COLUMNS) + " |")
-        lines.append("|" + "---|" * len(COLUMNS))
-        for row in rows:
-            cells = _cells(row)
-            cells[-1] = f"[record]({cells[-1]})"
-            lines.append("| " + " | ".join(cells) + " |")
+        lines += markdown_table(COLUMNS, [_cells(row) for row in rows], link_last=True)
         lines.append("")
     return "\n".join(lines)
 
@@ -198,11 +231,7 @@ def render_html(table: dict, plots: dict, note: str = "", trial_plots=None,
         parts += [f"<p class='note'>{_inline_markdown(paragraph)}</p>"
                   for paragraph in re.split(r"\n\s*\n", note.strip())]
     for title, cells in verdicts or []:
-        parts.append(f"<h2>{html.escape(title)}</h2><table><tr>" + "".join(
-            f"<th>{html.escape(c)}</th>" for c in VERDICT_COLUMNS) + "</tr>")
-        parts += ["<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in row) + "</tr>"
-                  for row in cells]
-        parts.append("</table>")
+        parts += _titled_html(title, html_table(VERDICT_COLUMNS, cells))
     for group, rows in table.items():
         parts.append(f"<h2>{html.escape(group)}</h2>")
         if group in plots:
@@ -211,16 +240,6 @@ def render_html(table: dict, plots: dict, note: str = "", trial_plots=None,
         if group in (trial_plots or {}):
             parts.append(f"<img src='{html.escape(trial_plots[group])}' alt='expected best "
                          f"validation accuracy vs trials for {html.escape(group)}'>")
-        parts.append("<table><tr>" + "".join(f"<th>{html.escape(c)}</th>" for c in COLUMNS)
-                     + "</tr>")
-        for row in rows:
-            cells = [html.escape(c) for c in _cells(row)]
-            cells[-1] = f"<a href='{cells[-1]}'>record</a>"
-            if len(row["config_label"]) > LONG:  # folded: the table stays one screen wide
-                short = html.escape(row["config_label"][:LONG - 10])  # never cut an entity
-                cells[1] = (f"<details><summary>{short}…</summary>"
-                            f"{cells[1]}</details>")
-            parts.append("<tr>" + "".join(f"<td>{c}</td>" for c in cells) + "</tr>")
-        parts.append("</table>")
+        parts += html_table(COLUMNS, [_cells(row) for row in rows], link_last=True, fold=LONG)
     parts.append("</body></html>")
     return "\n".join(parts) + "\n"

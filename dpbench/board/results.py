@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import re
 from pathlib import Path
 from typing import Optional
 
@@ -14,10 +13,9 @@ import numpy as np
 
 from dpbench import records as records_lib
 from dpbench import tuning
+from dpbench.tuning import GROUP_PATTERN
 
 
-GROUP_PATTERN = re.compile(r"^(?P<dataset>[\w\-]+)__(?P<model>[\w\-]+)__eps(?P<eps>[0-9.e+\-]+)"
-                           r"__delta(?P<delta>[0-9.e+\-]+)$")
 REQUIRED = ("pipeline", "dataset", "model", "target_epsilon", "epsilon", "delta",
             "test_accuracy", "validation_accuracy", "noise_multiplier", "steps", "batch_size",
             "epochs", "accountant", "sampling", "seed", "median_step_s", "privacy_statement",
@@ -310,12 +308,16 @@ def _searched_winner(configs: dict, summary: Optional[dict], method: str, chosen
     smaller key); anything else is a contradiction between the records and the search."""
     if not summary or "winner" not in summary:
         return chosen
-    prefix = f"{method}-t{summary['winner']}-seed"
-    keys = {k for k, runs in configs.items()
-            for r in runs if Path(r["_path"]).parent.name.startswith(prefix)}
+    prefix = tuning.run_dir_name(method, summary["winner"], 0)[:-1]  # <method>-t<winner>-seed
+
+    def winner_run(path) -> bool:
+        parsed = tuning.parse_run_dir(Path(path).parent.name)
+        return parsed is not None and parsed[:2] == (method, summary["winner"])
+    keys = {k for k, runs in configs.items() for r in runs if winner_run(r["_path"])}
     if len(keys) != 1:
-        raise LeaderboardError(f"{method}: the search's winner, trial {summary['winner']}, has "
-                               f"{len(keys)} configurations among the records ({prefix}*)")
+        raise LeaderboardError(
+            f"{method}: the search's winner, trial {summary['winner']}, has {len(keys)} "
+            f"configurations among the records ({prefix}*)")
     (key,) = keys
     scores = selection_scores(configs)[1]
     if scores[key] != scores[chosen]:

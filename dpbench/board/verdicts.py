@@ -9,8 +9,9 @@ import numpy as np
 import scipy.stats
 
 from dpbench.board import uncertainty
-from dpbench.board.results import (BASELINE, GROUP_PATTERN, config_key, config_label,
+from dpbench.board.results import (BASELINE, config_key, config_label,
                                    load_records, summarize)
+from dpbench.tuning import GROUP_PATTERN
 
 
 def best_recorded_baseline(records, dataset: str, model: str, epsilon: float, delta: float,

@@ -18,11 +18,12 @@ Three named phases over a frozen plan:
 One clipped-sum function (:func:`masked_sum`) serves the step and the one-off release.
 """
 
-from dpbench.compiler.bind import Plan, bind
+from dpbench.compiler.bind import bind
+from dpbench.compiler.plan import Plan
 from dpbench.compiler.ledger import Accounting, account, step_mechanisms_of
 from dpbench.compiler.lower import STAGE_INPUTS, Lowered, TrainState, lower, one_off_release
 from dpbench.compiler.per_example import EXAMPLE_KEYS, masked_sum
-from dpbench.compiler.pipeline import CompiledPipeline, compile_pipeline
+from dpbench.compiler.pipeline import CompiledPipeline, account_only, compile_pipeline
 from dpbench.compiler.rules import PipelineError, ValidatedPipeline, validate_pipeline
 
 __all__ = ["Accounting", "CompiledPipeline", "EXAMPLE_KEYS", "Lowered", "PipelineError", "Plan",

@@ -4,43 +4,15 @@ with the per-example strategy chosen from the stage chain."""
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Optional, Sequence
+from typing import Optional, Sequence
 
 
 from dpbench.compiler import bookkeeping
+from dpbench.compiler.plan import Plan
 from dpbench.compiler.taps import discover_taps
 from dpbench.compiler.rules import (PipelineError, ValidatedPipeline, describe_stage,
                                     validate_pipeline)
 from dpbench.stages.base import Kind, Mask, Stage, StageFns, StageInfo
-
-
-@dataclasses.dataclass(frozen=True)
-class Plan:
-    """A validated pipeline bound to one run: declarations, step functions, run facts."""
-
-    stages: tuple          # the declarations, exactly as validated
-    fns: tuple             # StageFns per stage, from make(info)
-    validated: ValidatedPipeline
-    info: StageInfo
-    model: Any = None      # the flax model, when the caller gives it (book-keeping needs it)
-    taps: Optional[tuple] = None  # its tap layers (taps.discover_taps), if all params
-    strategy: str = "materialized"  # per-example strategy: "materialized" or "bookkeeping"
-    strategy_reason: str = ""  # why the materialized one ("" for book-keeping)
-
-    @property
-    def num_per_example(self) -> int:
-        """Stages run per example: up to the clip, plus BOUNDED stages after it."""
-        clip = self.validated.clip_index
-        return clip + 1 + sum(1 for s in self.stages[clip + 1:] if s.kind_in == Kind.BOUNDED)
-
-    @property
-    def sensitivity(self) -> float:
-        return self.validated.sensitivity
-
-    def facts(self) -> list:
-        """Per stage: its name, the factory's options and the run-derived public facts."""
-        return [dict(name=s.name, **s.options, **f.facts) for s, f in zip(self.stages,
-                                                                            self.fns)]
 
 
 def _check_fns(i: int, stage: Stage, fns, num_per_example: int) -> None:

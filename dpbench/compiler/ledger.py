@@ -12,7 +12,7 @@ from dp_accounting import dp_event
 
 from dpbench import accounting
 from dpbench.stages.base import Stage
-from dpbench.compiler.bind import Plan
+from dpbench.compiler.plan import Plan
 from dpbench.compiler.rules import PipelineError
 
 

@@ -12,7 +12,7 @@ import optax
 from dpbench import sharding
 from dpbench.stages.base import Kind, Mask, StepContext, apply_mask
 from dpbench.ops import add_gaussian_noise, clip_to_l2, zero_if_nonfinite
-from dpbench.compiler.bind import Plan
+from dpbench.compiler.plan import Plan
 from dpbench.compiler.ledger import Accounting
 from dpbench.compiler.per_example import clipped_sum_fn, masked_sum
 

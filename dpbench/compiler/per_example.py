@@ -14,7 +14,7 @@ from dpbench.compiler import bookkeeping
 from dpbench.stages.base import Kind, StepContext, apply_mask
 from dpbench.stages.grad import augment_image
 from dpbench.ops import zero_if_nonfinite
-from dpbench.compiler.bind import Plan
+from dpbench.compiler.plan import Plan
 
 
 EXAMPLE_KEYS = ("image", "label")

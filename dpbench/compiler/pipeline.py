@@ -13,7 +13,8 @@ from jax.sharding import Mesh
 
 from dpbench import accounting, sharding
 from dpbench.stages.base import Stage, StageInfo
-from dpbench.compiler.bind import Plan, bind
+from dpbench.compiler.bind import bind
+from dpbench.compiler.plan import Plan
 from dpbench.compiler.ledger import Accounting, account
 from dpbench.compiler.lower import STAGE_INPUTS, Lowered, lower
 from dpbench.compiler.rules import validate_pipeline
@@ -131,6 +132,33 @@ def _batch_shapes(plan: Plan, micro_steps: int, micro_batch_size: int, example_s
     return shapes
 
 
+def _run_facts(sampler, budget, total_steps, steps_per_epoch, noise_multiplier, param_shapes,
+               public_images, num_classes, linear_apply, example_shape) -> StageInfo:
+    return StageInfo(total_steps=total_steps, steps_per_epoch=steps_per_epoch,
+                     expected_batch_size=sampler.expected_batch_size,
+                     dataset_size=sampler.dataset_size, param_shapes=param_shapes,
+                     target_epsilon=budget.epsilon if noise_multiplier is None else None,
+                     public_images=public_images, num_classes=num_classes,
+                     linear_apply=linear_apply, example_shape=tuple(example_shape),
+                     padded_batch_size=sampler.padded_batch_size)
+
+
+def account_only(stages: Sequence[Stage], *, init_params: Callable, example_shape: tuple,
+                 sampler, budget: accounting.Budget, total_steps: int, steps_per_epoch: int,
+                 noise_multiplier: Optional[float] = None, public_images=None,
+                 num_classes: int = 0, linear_apply: Optional[Callable] = None,
+                 model=None) -> Accounting:
+    """The run's accounting (ledger, calibrated sigma, its DpEvent) exactly as
+    :func:`compile_pipeline` computes it for the same arguments, without lowering, tracing or
+    jitting the step: the rules, bind (the model's parameter shapes by eval_shape) and account.
+    What a sweep's planning reads (each support point's event)."""
+    key_shapes = jax.eval_shape(lambda: jax.random.key(0))
+    info = _run_facts(sampler, budget, total_steps, steps_per_epoch, noise_multiplier,
+                      jax.eval_shape(init_params, key_shapes), public_images, num_classes,
+                      linear_apply, example_shape)
+    return account(bind(stages, info, model), sampler, budget, total_steps, noise_multiplier)
+
+
 def compile_pipeline(stages: Sequence[Stage], *, loss_fn: Callable, init_params: Callable,
                      example_shape: tuple, sampler, budget: accounting.Budget, total_steps: int,
                      steps_per_epoch: int, micro_batch_size: int, mesh: Optional[Mesh] = None,
@@ -154,13 +182,8 @@ def compile_pipeline(stages: Sequence[Stage], *, loss_fn: Callable, init_params:
                                sampler.padded_batch_size)
     key_shapes = jax.eval_shape(lambda: jax.random.key(0))
     param_shapes = jax.eval_shape(init_params, key_shapes)
-    info = StageInfo(total_steps=total_steps, steps_per_epoch=steps_per_epoch,
-                     expected_batch_size=sampler.expected_batch_size,
-                     dataset_size=sampler.dataset_size, param_shapes=param_shapes,
-                     target_epsilon=budget.epsilon if noise_multiplier is None else None,
-                     public_images=public_images, num_classes=num_classes,
-                     linear_apply=linear_apply, example_shape=tuple(example_shape),
-                     padded_batch_size=sampler.padded_batch_size)
+    info = _run_facts(sampler, budget, total_steps, steps_per_epoch, noise_multiplier,
+                      param_shapes, public_images, num_classes, linear_apply, example_shape)
     plan = bind(stages, info, model, validated)
     acct = account(plan, sampler, budget, total_steps, noise_multiplier)
     lowered = lower(plan, acct, loss_fn=loss_fn, expected_batch_size=sampler.expected_batch_size,

@@ -1,0 +1,39 @@
+"""The compiler's one intermediate form: a validated pipeline bound to one run's public facts
+(``Plan``; made by ``bind``, read by every later phase)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Optional
+
+from dpbench.compiler.rules import ValidatedPipeline
+from dpbench.stages.base import Kind, StageInfo
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """A validated pipeline bound to one run: declarations, step functions, run facts."""
+
+    stages: tuple          # the declarations, exactly as validated
+    fns: tuple             # StageFns per stage, from make(info)
+    validated: ValidatedPipeline
+    info: StageInfo
+    model: Any = None      # the flax model, when the caller gives it (book-keeping needs it)
+    taps: Optional[tuple] = None  # its tap layers (taps.discover_taps), if all params
+    strategy: str = "materialized"  # per-example strategy: "materialized" or "bookkeeping"
+    strategy_reason: str = ""  # why the materialized one ("" for book-keeping)
+
+    @property
+    def num_per_example(self) -> int:
+        """Stages run per example: up to the clip, plus BOUNDED stages after it."""
+        clip = self.validated.clip_index
+        return clip + 1 + sum(1 for s in self.stages[clip + 1:] if s.kind_in == Kind.BOUNDED)
+
+    @property
+    def sensitivity(self) -> float:
+        return self.validated.sensitivity
+
+    def facts(self) -> list:
+        """Per stage: its name, the factory's options and the run-derived public facts."""
+        return [dict(name=s.name, **s.options, **f.facts) for s, f in zip(self.stages,
+                                                                            self.fns)]

@@ -151,11 +151,33 @@ def accumulated_value_and_grad(loss_fn, params, images, labels, chunk: int):
     return jax.tree.map(lambda v: v / (b // chunk), total)
 
 
+def _augmented(grad_options: dict):
+    """(images, labels, key) -> the B x K images and labels the pipeline's gradient stage
+    (grad.per_example) sees: K augmented copies of each example, as it draws them."""
+    import jax
+    import jax.numpy as jnp
+
+    from dpbench.stages.grad import augment_image
+
+    copies, augmentation = grad_options["augmult"], grad_options["augmentation"]
+    if copies == 1 and augmentation == "none":
+        return lambda images, labels, key: (images, labels)
+
+    def augment(images, labels, key):
+        keys = jax.random.split(key, images.shape[0] * copies).reshape(images.shape[0], copies)
+        out = jax.vmap(lambda ks, image: jax.vmap(lambda k: augment_image(
+            k, image, augmentation, grad_options["crop_padding"]))(ks))(keys, images)
+        return out.reshape((-1,) + images.shape[1:]), jnp.repeat(labels, copies)
+    return augment
+
+
 def _plain_step(spec: dict) -> dict:
     """JAX's own non-private step for the spec's model and optax optimizer: a plain mean-loss
-    gradient on exactly B examples, accumulated over the micro-batches dpbench's rows use, then
-    the update. Returns the step (un-jitted), its initial params and optimizer state, the
-    loss, the dataset and the fixed-size batches' indices."""
+    gradient on exactly B examples (each as the K augmented copies the pipeline's gradient
+    stage declares, B x K images), accumulated over the micro-batches dpbench's rows use (of
+    examples, so K x as many images each), then the update. Returns the step (un-jitted; it
+    takes a key for the augmentation), its initial params and optimizer state, the loss, the
+    dataset and the fixed-size batches' indices."""
     import jax
     import jax.numpy as jnp
     import optax
@@ -187,9 +209,13 @@ def _plain_step(spec: dict) -> dict:
         return jnp.mean(optax.softmax_cross_entropy_with_integer_labels(
             model.apply(p, images), labels))
 
-    def plain_step(p, s, images, labels):
-        loss, grads = accumulated_value_and_grad(mean_loss, p, images, labels,
-                                                 config.micro_batch_size)
+    augment = _augmented(stages[0].options)
+
+    def plain_step(p, s, images, labels, key):
+        images, labels = augment(images, labels, key)
+        loss, grads = accumulated_value_and_grad(
+            mean_loss, p, images, labels,
+            config.micro_batch_size * images.shape[0] // config.batch_size)
         updates, s = transform.update(grads, s, p)
         return optax.apply_updates(p, updates), s, loss
 
@@ -206,7 +232,8 @@ def _batch_loader(plain: dict):
 
     def prepare(t):
         idx = plain["indices"][t]
-        return jax.block_until_ready((jax.device_put(images[idx]), jax.device_put(labels[idx])))
+        return jax.block_until_ready((jax.device_put(images[idx]), jax.device_put(labels[idx]),
+                                      jax.random.key(t)))
     return prepare
 
 
@@ -321,10 +348,10 @@ def worker_gep_floor(spec: dict) -> dict:
         anchors = jnp.asarray(run["dataset"].public.images[:m])
         anchor_labels = jax.random.randint(key, (m,), 0, run["dataset"].num_classes)
 
-        def work(inputs, p, s, images, labels):
+        def work(inputs, p, s, images, labels, key):
             _, anchor_grads = accumulated_value_and_grad(plain["mean_loss"], p, anchors,
                                                          anchor_labels, ANCHOR_CHUNK)
-            p, s, loss = plain["step"](p, s, images, labels)
+            p, s, loss = plain["step"](p, s, images, labels, key)
             return products(inputs), anchor_grads, p, s, loss
 
         jitted = jax.jit(work, donate_argnums=(1, 2))

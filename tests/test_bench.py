@@ -371,3 +371,26 @@ def test_trial_cost_per_method_comes_from_the_records(tmp_path):
     text = "\n".join(trial_cost.trial_cost_section(dict(
         trial_costs=list(costs.values()), records_dir="leaderboard/records")))
     assert "| fm__tanh_cnn | gep | 2 | 15.0 | 10.0–20.0 |" in text
+
+
+def test_the_non_private_row_sees_the_augmented_copies_the_gradient_stage_declares():
+    """With augmentation multiplicity K (the WRN rows: B 256 x 16), JAX's non-private step
+    trains on the B x K augmented images dpbench's rows clip per example: each example's K
+    copies adjacent, each a crop (and flip) of that example, labels repeated."""
+    from dpbench.stages.grad import augment_image
+
+    rng = np.random.default_rng()
+    images = jax.numpy.asarray(rng.uniform(size=(3, 8, 8, 1)), jax.numpy.float32)
+    labels = jax.numpy.asarray([4, 1, 7])
+    options = {"augmult": 2, "augmentation": "crop_flip", "crop_padding": 2}
+    key = jax.random.key(int(rng.integers(1 << 30)))
+    out, out_labels = jax.jit(workers._augmented(options))(images, labels, key)
+    assert out.shape == (6, 8, 8, 1) and list(out_labels) == [4, 4, 1, 1, 7, 7]
+    keys = jax.random.split(key, 6).reshape(3, 2)
+    for i in range(3):
+        for k in range(2):
+            np.testing.assert_array_equal(out[2 * i + k], augment_image(
+                keys[i, k], images[i], "crop_flip", 2))
+    plain = {"augmult": 1, "augmentation": "none", "crop_padding": 4}
+    same, same_labels = workers._augmented(plain)(images, labels, key)
+    assert same is images and same_labels is labels

@@ -97,6 +97,18 @@ class _SharedDense(nn.Module):
                                         layer(x[..., 8:16]))
 
 
+class _Lifted(nn.Module):
+    """Three Dense layers lifted over a leading axis (nn.vmap): their kernel (3, 8, 4) is not
+    the input's 8 features, so the layer is no tap."""
+
+    @nn.compact
+    def __call__(self, x):
+        x = x.reshape(x.shape[:-3] + (-1,))[..., :8]
+        stack = nn.vmap(nn.Dense, variable_axes={"params": 0}, split_rngs={"params": True},
+                        in_axes=None, out_axes=0, axis_size=3)(4, name="stack")
+        return nn.Dense(4, name="head")(jnp.tanh(stack(x)).sum(0))
+
+
 class _LayerNormed(nn.Module):
     @nn.compact
     def __call__(self, x):
@@ -106,7 +118,8 @@ class _LayerNormed(nn.Module):
 
 def test_the_compiler_picks_bookkeeping_only_where_it_reproduces_the_chain():
     """Augmentation and GroupNorm's scale and bias are book-kept; a layer it does not tap
-    (LayerNorm), a tap layer called twice, or GEP's layer form with augmentation are not."""
+    (LayerNorm), a tap layer called twice or lifted over an extra axis, or GEP's layer form
+    with augmentation are not."""
     model = models.make_model(10, name="mlp", hidden=(16,))
     shape = (8, 8, 1)
     augmented = [stages.grad.per_example(augmult=2, augmentation="crop")] + _chain("dpsgd")[1:]
@@ -114,7 +127,7 @@ def test_the_compiler_picks_bookkeeping_only_where_it_reproduces_the_chain():
     normed = models.make_model(10, name="tanh_cnn", group_norm_groups=4)
     assert _compile(_chain("dpsgd"), normed, True, (28, 28, 1)).plan.strategy == "bookkeeping"
     assert _compile(_chain("dpsgd"), model, True, shape).plan.strategy == "bookkeeping"
-    for other in (_SharedDense(), _LayerNormed()):
+    for other in (_SharedDense(), _LayerNormed(), _Lifted()):
         assert _compile(_chain("dpsgd"), other, True, shape).plan.strategy == "materialized"
     gep = [stages.grad.per_example(augmult=2, augmentation="crop"),
            stages.gep.embed_and_clip(num_basis=4, num_anchors=8)] + _chain("dpsgd")[2:]
@@ -133,6 +146,8 @@ def test_a_materialized_plan_says_why():
     assert "norm/bias, norm/scale" in reason and "GroupNorm with its scale and bias" in reason
     reason = _compile(_chain("dpsgd"), _SharedDense(), True, shape).plan.strategy_reason
     assert "shared (called 2 times)" in reason
+    reason = _compile(_chain("dpsgd"), _Lifted(), True, shape).plan.strategy_reason
+    assert "stack/bias, stack/kernel" in reason and "head" not in reason
     assert _compile(_chain("dpsgd"), model, True, shape).plan.strategy_reason == ""
     assert "no model" in _compile(_chain("dpsgd"), model, False, shape).plan.strategy_reason
 

@@ -12,10 +12,11 @@ gradient of the loss with respect to its output, summed over the layer's positio
   without scale and bias). Example i's scale gradient is sum_t xhat_it * delta_it, its bias
   gradient sum_t delta_it.
 
-Book-keeping applies only when the taps hold EVERY parameter of the model and each tap layer
+Book-keeping applies only when the taps hold EVERY parameter of the model, each tap layer
 runs once per forward pass (a layer called twice shares its weights between two inputs, and
-its gradient is no longer one input's outer product): ``discover_taps`` returns None otherwise
-and ``untapped_parameters`` says which parameters are why.
+its gradient is no longer one input's outer product) and its kernel matches its input (a layer
+lifted over an extra axis by nn.vmap or nn.scan does not): ``discover_taps`` returns None
+otherwise and ``untapped_parameters`` says which parameters are why.
 """
 
 from __future__ import annotations
@@ -146,35 +147,49 @@ def _traced(model: nn.Module, params_shape, example_shape) -> tuple[dict, collec
     return shapes, calls
 
 
+def _kind_and_sizes(path: tuple, input_shape: tuple, leaves: set, params_shape):
+    """(kind, d, p) of a called tap layer from its parameters, or None when they do not match
+    its input: a missing bias or scale, or a kernel whose input size is not the input's last
+    axis (a layer lifted over an extra axis, whose per-example gradient is not a_i^T delta_i)."""
+    kind = MATMUL if (path + ("kernel",)) in leaves else AFFINE
+    if not all(path + (leaf,) in leaves for leaf in LEAVES[kind]):
+        return None
+    first = leaf_at(params_shape["params"], path + (LEAVES[kind][0],)).shape
+    if len(first) not in ((2, 4) if kind == MATMUL else (1,)):  # Dense, conv; GroupNorm
+        return None
+    d, p = (math.prod(first[:-1]), first[-1]) if kind == MATMUL else (first[-1], first[-1])
+    return (kind, d, p) if input_shape[-1] == d else None
+
+
 def untapped_parameters(model: nn.Module, params_shape, example_shape) -> list:
     """The parameters (as 'Layer/leaf' paths) that no tap layer holds, or that a tap layer
-    called more than once holds: why book-keeping does not apply (``discover_taps`` None)."""
+    called more than once or not matching its input holds: why book-keeping does not apply
+    (``discover_taps`` None)."""
     shapes, calls = _traced(model, params_shape, example_shape)
-    once = {path for path in shapes if calls[path] == 1}
-    untapped = sorted("/".join(map(str, leaf)) for leaf in _param_paths(params_shape)
-                      if leaf[:-1] not in once)
+    leaves = set(_param_paths(params_shape))
+    usable = {path for path, shape in shapes.items() if calls[path] == 1 and
+              _kind_and_sizes(path, shape, leaves, params_shape) is not None}
+    untapped = sorted("/".join(map(str, leaf)) for leaf in leaves if leaf[:-1] not in usable)
     repeated = sorted(f"{'/'.join(map(str, path))} (called {calls[path]} times)"
                       for path in shapes if calls[path] > 1)
-    return untapped + repeated or ["(a tap layer without its bias or scale)"]
+    return untapped + repeated or ["(no parameter outside a usable tap layer)"]
 
 
 def discover_taps(model: nn.Module, params_shape, example_shape) -> Optional[tuple]:
     """The model's tap layers, or None when some parameter is not a tap layer's, a tap layer
-    lacks a parameter of its kind (a Dense without bias) or runs more than once."""
+    lacks a parameter of its kind (a Dense without bias), its kernel does not match its input
+    (a layer lifted over an extra axis) or it runs more than once."""
     shapes, calls = _traced(model, params_shape, example_shape)
     leaves = set(_param_paths(params_shape))
     taps, covered = [], set()
     for path, shape in shapes.items():
-        module_kind = MATMUL if (path + ("kernel",)) in leaves else AFFINE
-        if calls[path] != 1 or not all(path + (leaf,) in leaves
-                                       for leaf in LEAVES[module_kind]):
+        sizes = _kind_and_sizes(path, shape, leaves, params_shape)
+        if calls[path] != 1 or sizes is None:
             return None
-        covered.update(path + (leaf,) for leaf in LEAVES[module_kind])
-        first = leaf_at(params_shape["params"], path + (LEAVES[module_kind][0],)).shape
-        d, p = (math.prod(first[:-1]), first[-1]) if module_kind == MATMUL else (
-            first[-1], first[-1])
+        kind, d, p = sizes
+        covered.update(path + (leaf,) for leaf in LEAVES[kind])
         positions = math.prod(shape[1:-1]) if len(shape) > 2 else 1
-        taps.append(Tap(path, positions, d, p, tuple(shape[1:-1]) + (p,), module_kind))
+        taps.append(Tap(path, positions, d, p, tuple(shape[1:-1]) + (p,), kind))
     if covered != leaves:
         return None
     return tuple(sorted(taps, key=lambda t: t.path))

@@ -1,5 +1,5 @@
 """What the speed benchmark's modules share: paths, the method families, names, and the
-fixed-size batches of the non-private rows."""
+fixed-size (and augmented) batches of the non-private rows."""
 
 from pathlib import Path
 
@@ -29,3 +29,23 @@ def fixed_size_batches(n: int, b: int, seed: int, count: int) -> list:
     """count batches of exactly b distinct indices (the non-private rows' batches)."""
     return [np.random.default_rng([seed, t]).choice(n, size=b, replace=False)
             for t in range(count)]
+
+
+def augmented_batch(grad_options: dict):
+    """(images, labels, key) -> the B x K images and labels the pipeline's gradient stage
+    (grad.per_example) sees: K augmented copies of each example, as it draws them."""
+    import jax
+    import jax.numpy as jnp
+
+    from dpbench.stages.grad import augment_image
+
+    copies, augmentation = grad_options["augmult"], grad_options["augmentation"]
+    if copies == 1 and augmentation == "none":
+        return lambda images, labels, key: (images, labels)
+
+    def augment(images, labels, key):
+        keys = jax.random.split(key, images.shape[0] * copies).reshape(images.shape[0], copies)
+        out = jax.vmap(lambda ks, image: jax.vmap(lambda k: augment_image(
+            k, image, augmentation, grad_options["crop_padding"]))(ks))(keys, images)
+        return out.reshape((-1,) + images.shape[1:]), jnp.repeat(labels, copies)
+    return augment

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks import interleave
-from benchmarks.common import SPEC_KEYS, fixed_size_batches
+from benchmarks.common import SPEC_KEYS, augmented_batch, fixed_size_batches
 from benchmarks.torch_workers import worker_opacus, worker_torch_nonprivate
 
 
@@ -151,26 +151,6 @@ def accumulated_value_and_grad(loss_fn, params, images, labels, chunk: int):
     return jax.tree.map(lambda v: v / (b // chunk), total)
 
 
-def _augmented(grad_options: dict):
-    """(images, labels, key) -> the B x K images and labels the pipeline's gradient stage
-    (grad.per_example) sees: K augmented copies of each example, as it draws them."""
-    import jax
-    import jax.numpy as jnp
-
-    from dpbench.stages.grad import augment_image
-
-    copies, augmentation = grad_options["augmult"], grad_options["augmentation"]
-    if copies == 1 and augmentation == "none":
-        return lambda images, labels, key: (images, labels)
-
-    def augment(images, labels, key):
-        keys = jax.random.split(key, images.shape[0] * copies).reshape(images.shape[0], copies)
-        out = jax.vmap(lambda ks, image: jax.vmap(lambda k: augment_image(
-            k, image, augmentation, grad_options["crop_padding"]))(ks))(keys, images)
-        return out.reshape((-1,) + images.shape[1:]), jnp.repeat(labels, copies)
-    return augment
-
-
 def _plain_step(spec: dict) -> dict:
     """JAX's own non-private step for the spec's model and optax optimizer: a plain mean-loss
     gradient on exactly B examples (each as the K augmented copies the pipeline's gradient
@@ -209,7 +189,7 @@ def _plain_step(spec: dict) -> dict:
         return jnp.mean(optax.softmax_cross_entropy_with_integer_labels(
             model.apply(p, images), labels))
 
-    augment = _augmented(stages[0].options)
+    augment = augmented_batch(stages[0].options)
 
     def plain_step(p, s, images, labels, key):
         images, labels = augment(images, labels, key)

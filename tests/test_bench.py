@@ -384,7 +384,7 @@ def test_the_non_private_row_sees_the_augmented_copies_the_gradient_stage_declar
     labels = jax.numpy.asarray([4, 1, 7])
     options = {"augmult": 2, "augmentation": "crop_flip", "crop_padding": 2}
     key = jax.random.key(int(rng.integers(1 << 30)))
-    out, out_labels = jax.jit(workers._augmented(options))(images, labels, key)
+    out, out_labels = jax.jit(common.augmented_batch(options))(images, labels, key)
     assert out.shape == (6, 8, 8, 1) and list(out_labels) == [4, 4, 1, 1, 7, 7]
     keys = jax.random.split(key, 6).reshape(3, 2)
     for i in range(3):
@@ -392,7 +392,7 @@ def test_the_non_private_row_sees_the_augmented_copies_the_gradient_stage_declar
             np.testing.assert_array_equal(out[2 * i + k], augment_image(
                 keys[i, k], images[i], "crop_flip", 2))
     plain = {"augmult": 1, "augmentation": "none", "crop_padding": 4}
-    same, same_labels = workers._augmented(plain)(images, labels, key)
+    same, same_labels = common.augmented_batch(plain)(images, labels, key)
     assert same is images and same_labels is labels
 
 

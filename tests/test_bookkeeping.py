@@ -343,3 +343,40 @@ def test_per_example_norms_include_the_biases_on_every_path(name, case, norms, m
                         _squared_norms_without_biases_beside(sibling))
     with pytest.raises(AssertionError, match="not vmap\\(grad\\)'s"):
         check_per_example_norms_include_every_parameter(case, name)
+
+
+class _SanitizedHidden(nn.Module):
+    """A model whose loss stays finite on a NaN input (its hidden layer's non-finite outputs
+    are replaced by 0) while the first layer's kernel gradient, input x output gradient, is
+    NaN: what a fused forward pass that drops a NaN gives (seen on the WRN with Nasr)."""
+
+    @nn.compact
+    def __call__(self, x):
+        h = nn.Dense(8, name="first")(x.reshape(x.shape[:-3] + (-1,)))
+        return nn.Dense(4, name="head")(jnp.where(jnp.isfinite(h), jnp.tanh(h), 0.0))
+
+
+@pytest.mark.parametrize("with_model", [True, False])
+def test_a_nan_example_is_counted_when_a_stage_maps_its_gradient_to_finite_values(with_model):
+    """An example whose GRADIENT is not finite is zeroed and counted even when its loss is
+    finite and a per-example stage (Nasr's ternary) would map the gradient to finite values:
+    both strategies, one example alone in the batch."""
+    model, shape = _SanitizedHidden(), (8, 8, 1)
+    compiled = _compile(_chain("nasr"), model, with_model, shape)
+    assert compiled.plan.strategy == ("bookkeeping" if with_model else "materialized")
+    rng = np.random.default_rng()
+    images = rng.uniform(size=(48,) + shape).astype(np.float32)
+    images[3] = np.nan
+    labels = rng.integers(0, 4, 48).astype(np.int32)
+    params = model.init(jax.random.key(1), jnp.zeros((1,) + shape))
+    loss = models.cross_entropy_loss(model)(params, jnp.asarray(images[3]), labels[3])
+    assert np.isfinite(float(loss))  # the loss alone cannot tell
+    state = compiled.init_state(params, jax.random.key(2))
+    b = compiled.sampler.sample(0)
+    b.indices[:6] = np.arange(6)
+    only = np.zeros_like(b.mask)
+    only[3] = True
+    total, aux = _sum_and_aux(compiled, state, make_batch(compiled, images, labels, b.indices,
+                                                          only))
+    assert float(aux["nonfinite"]) == 1.0 and float(aux["loss"]) == 0.0
+    assert all(float(jnp.abs(v).sum()) == 0.0 for v in jax.tree.leaves(total))

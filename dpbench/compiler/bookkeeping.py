@@ -301,7 +301,11 @@ def _transformed_sum(taps, params, inputs, deltas, losses, mask, l2_bound: float
         _set(grads, t.path, leaves)
     values = transform({"params": grads})
     squares = per_example_squared_norms(values, b)
-    scale, finite, diagnostics = _clip_scale(squares, losses, mask, l2_bound)
+    # A transform may map a non-finite gradient to finite values (Nasr's ternary), and a loss
+    # can be finite where the gradient is not: the raw gradient's own norm is checked too.
+    raw_finite = jnp.isfinite(per_example_squared_norms(grads, b))
+    scale, finite, diagnostics = _clip_scale(jnp.where(raw_finite, squares, jnp.nan), losses,
+                                             mask, l2_bound)
 
     def weighted(zero_bad: bool):
         def one(v):

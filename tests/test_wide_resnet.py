@@ -115,6 +115,7 @@ def test_bookkeeping_gives_the_wrns_clipped_sum_with_augmentation(wrn_knobs):
     fast, slow = (_wrn_compiled(chain, with_model, shape, model) for with_model in (True, False))
     assert (fast.plan.strategy, slow.plan.strategy) == ("bookkeeping", "materialized")
     assert {t.kind for t in fast.plan.taps} == {"matmul", "affine"}
+    assert fast.plan.info.layer_grads is None  # StageInfo's documented form: matmul taps only
     assert {t.path[0].split("_")[0] for t in fast.plan.taps} == {
         "GroupNorm", "conv", "head", "shortcut", "stem"}
     rng = np.random.default_rng()

@@ -9,7 +9,7 @@ from typing import Optional, Sequence
 
 from dpbench.compiler import bookkeeping
 from dpbench.compiler.plan import Plan
-from dpbench.compiler.taps import discover_taps
+from dpbench.compiler.taps import MATMUL, discover_taps
 from dpbench.compiler.rules import (PipelineError, ValidatedPipeline, describe_stage,
                                     validate_pipeline)
 from dpbench.stages.base import Kind, Mask, Stage, StageFns, StageInfo
@@ -38,14 +38,15 @@ def bind(stages: Sequence[Stage], info: StageInfo, model=None,
          validated: Optional[ValidatedPipeline] = None) -> Plan:
     """Validates the declarations, makes every stage's step functions with the run facts, and
     picks the per-example strategy from the stage chain: book-keeping where it reproduces the
-    chain exactly (bookkeeping.applies, or the clip's own layer form) and the model is made of
-    matmul layers, else the materialized per-example gradients (vmap). Stages are made with
-    ``info.layer_grads`` set where the model allows book-keeping. ``validated``: these stages'
-    validation, when the caller has already run it (the rules run once per compile)."""
+    chain exactly (bookkeeping.applies, or the clip's own layer form) and every parameter sits
+    in a tap layer, else the materialized per-example gradients (vmap). Stages are made with
+    ``info.layer_grads`` set where every tap is a matmul layer (its documented form: kernels
+    and biases). ``validated``: these stages' validation, when the caller has already run it
+    (the rules run once per compile)."""
     validated = validate_pipeline(stages) if validated is None else validated
     taps = None if model is None else discover_taps(
         model, info.param_shapes, info.example_shape)
-    if taps is not None:
+    if taps is not None and all(t.kind == MATMUL for t in taps):
         info = info._replace(layer_grads=bookkeeping.layer_grads_fn(model, taps))
     fns = tuple(stage.make(info) for stage in validated.stages)
     plan = Plan(stages=validated.stages, fns=fns, validated=validated, info=info, model=model)

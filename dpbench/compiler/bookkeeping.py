@@ -106,11 +106,11 @@ def _per_example_leaves(tap: Tap, a, delta, outputs_first: bool = True) -> dict:
 
 
 def layer_grads_fn(model, taps: tuple):
-    """``StageInfo.layer_grads`` for this model: (params, images, labels, mask) ->
-    ({tap path: {"bias": (b, p), "kernel": (b, p, d)}} nested like params["params"] (an affine
-    tap: "scale" and "bias", (b, p) each), per-example losses), every example's gradient of its
-    own loss from one batched backward pass (examples outside ``mask`` get zero output
-    gradients). Kernels are outputs-first, the layout XLA's CPU batched dot writes fastest; row
+    """``StageInfo.layer_grads`` for this model (bind gives it to stages only when every tap is
+    a matmul layer): (params, images, labels, mask) -> ({tap path: {"bias": (b, p), "kernel":
+    (b, p, d)}} nested like params["params"] (an affine tap would give "scale" and "bias", (b, p)
+    each), per-example losses), every example's gradient of its own loss from one batched
+    backward pass (examples outside ``mask`` get zero output gradients). Kernels are outputs-first, the layout XLA's CPU batched dot writes fastest; row
     j of a (d, p) kernel gradient is column j here."""
     def layer_grads(params, images, labels, mask):
         inputs, deltas, losses = _output_gradients(model, taps, params, images, labels, mask)

@@ -26,9 +26,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from benchmarks.common import augmented_batch
 from dpbench import accounting, config, models
 from dpbench.run import build_run
-from dpbench.stages.grad import augment_image
 
 SETTINGS = ((256, 16, 32), (1024, 1, 128))  # (B, augmult K, micro-batch)
 
@@ -77,14 +77,12 @@ def dp_sgd(batch: int, augmult: int, micro: int, steps: int, extra=(),
 def non_private(model, params, images, labels, batch: int, augmult: int, steps: int) -> float:
     opt = optax.sgd(0.1)
 
+    augment = augmented_batch(dict(augmult=augmult, crop_padding=4,
+                                   augmentation="crop_flip" if augmult > 1 else "none"))
+
     @jax.jit
     def step(params, opt_state, x, y, key):
-        if augmult > 1:
-            keys = jax.random.split(key, x.shape[0] * augmult).reshape(x.shape[0], augmult)
-            x = jax.vmap(lambda ks, im: jax.vmap(lambda k: augment_image(
-                k, im, "crop_flip", 4))(ks))(keys, x)
-            x = x.reshape((-1,) + x.shape[2:])
-            y = jnp.repeat(y, augmult)
+        x, y = augment(x, y, key)
 
         def loss(p):
             return jnp.mean(models.logits_loss(model.apply(p, x), y))

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 from dpbench import sharding
 from dpbench.compiler import bookkeeping
 from dpbench.stages.base import Kind, Mask, StepContext, apply_mask
-from dpbench.stages.grad import augment_image
+from dpbench.stages.grad import augmented_copies
 from dpbench.ops import zero_if_nonfinite
 from dpbench.compiler.plan import Plan
 
@@ -61,19 +61,19 @@ def masked_sum(per_example: Callable, batch: dict) -> tuple:
 
 
 def _augmented_copies(grad_stage, step_key, images, labels, positions):
-    """grad.per_example's K augmented copies of each example, drawn with the keys the
-    materialized strategy gives that stage (key fold_in(fold_in(step_key, 0), position), split
-    K ways): (b K images, example i's copies adjacent, b K labels, K)."""
+    """grad.per_example's K augmented copies of each example, drawn by its own
+    ``augmented_copies`` with the key the materialized strategy gives that stage
+    (fold_in(fold_in(step_key, 0), position)): (b K images, example i's copies adjacent, b K
+    labels, K)."""
     options = grad_stage.options
     copies = options["augmult"]
     if copies == 1 and options["augmentation"] == "none":
         return images, labels, 1
 
     def one(position, image):
-        keys = jax.random.split(jax.random.fold_in(jax.random.fold_in(step_key, 0), position),
-                                copies)
-        return jax.vmap(lambda k: augment_image(k, image, options["augmentation"],
-                                                options["crop_padding"]))(keys)
+        key = jax.random.fold_in(jax.random.fold_in(step_key, 0), position)
+        return augmented_copies(key, image, copies, options["augmentation"],
+                                options["crop_padding"])
 
     augmented = jax.vmap(one)(positions, images)
     return (augmented.reshape((-1,) + images.shape[1:]), jnp.repeat(labels, copies), copies)

@@ -26,6 +26,15 @@ def augment_image(key: jax.Array, image: jax.Array, augmentation: str, crop_padd
     return image
 
 
+def augmented_copies(key: jax.Array, image: jax.Array, copies: int, augmentation: str,
+                     crop_padding: int) -> jax.Array:
+    """The ``copies`` augmented copies (K, H, W, C) of one image that grad.per_example
+    averages over, drawn from ``key`` split K ways: the one draw both per-example strategies
+    use (book-keeping's clipped sum must see the same copies)."""
+    return jax.vmap(lambda k: augment_image(k, image, augmentation, crop_padding))(
+        jax.random.split(key, copies))
+
+
 @register_stage("grad.per_example")
 def per_example(augmult: int = 1, augmentation: str = "none", crop_padding: int = 4) -> Stage:
     """The gradient of the loss on ONE example (the compiler vmaps it over the batch).
@@ -49,9 +58,8 @@ def per_example(augmult: int = 1, augmentation: str = "none", crop_padding: int 
         if augmult == 1 and augmentation == "none":
             loss, grads = value_and_grad(ctx.params, example["image"], example["label"])
             return grads, {"loss": loss}
-        keys = jax.random.split(ctx.key, augmult)
-        images = jax.vmap(lambda k: augment_image(k, example["image"], augmentation,
-                                                  crop_padding))(keys)
+        images = augmented_copies(ctx.key, example["image"], augmult, augmentation,
+                                  crop_padding)
         losses, grads = jax.vmap(lambda im: value_and_grad(ctx.params, im, example["label"]))(
             images)
         return jax.tree.map(lambda g: g.mean(axis=0), grads), {"loss": losses.mean()}

@@ -47,8 +47,8 @@ def build_dp_run(spec: dict):
     """What train.train builds up to the compiled step and its initial state, the same way.
 
     Returns a dict with the pieces the timing loop needs. Sigma: spec['noise_multiplier'] (bound
-    as train.noise_multiplier, as a user would) unless a stage declares a budgeted mechanism of
-    its own (GIP), which needs the target epsilon: those take the calibrated path.
+    as train.noise_multiplier, as a user would) unless a stage needs the run's target epsilon
+    (GIP splits it for its own budgeted mechanism): those take the calibrated path.
     """
     from dpbench import accounting, compiler
     from dpbench.config import TrainConfig, pipeline_stages
@@ -57,7 +57,7 @@ def build_dp_run(spec: dict):
     _parse(spec, with_sigma=False)
     _, probe = pipeline_stages()
     calibrated = spec.get("noise_multiplier") is None or any(
-        s.cost is not None for s in probe)
+        "target_epsilon" in s.needs for s in probe)
     if not calibrated:
         _parse(spec, with_sigma=True)
 

@@ -54,7 +54,7 @@ def dp_sgd(batch: int, augmult: int, micro: int, steps: int, extra=(),
     config.parse_config(["pipelines/dpsgd", "gin/data/fashion_mnist.gin",
                          "gin/model/wrn16_4.gin"], bindings)
     _, stages = config.pipeline_stages()
-    with mock.patch("dpbench.compiler.bind.discover_taps", return_value=None) if materialized \
+    with mock.patch("dpbench.compiler.facts.discover_taps", return_value=None) if materialized \
             else contextlib.nullcontext():
         run = build_run(stages, config.TrainConfig(), accounting.Budget())
     state = run.initial_state()

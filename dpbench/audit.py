@@ -43,6 +43,7 @@ from absl import app, flags, logging
 from dp_accounting import dp_event
 
 from dpbench import accounting, config, data, models, records, sampling, sharding
+from dpbench.compiler.facts import RunInputs
 from dpbench.compiler.pipeline import compile_pipeline
 from dpbench.compiler.rules import PipelineError
 from dpbench.stages.base import Stage
@@ -231,14 +232,16 @@ def run_audit(stages: Sequence[Stage], *, claimed_epsilon: float = 3.0, delta: f
     shape, n = canary.images.shape[1:], len(canary.labels)  # the canary is example n - 1
     loss_fn = models.cross_entropy_loss(canary.model)
     sampler = sampling.PoissonSampler(n, n, seed=seed, pad_multiple=micro_batch_size)
-    compiled = compile_pipeline(
-        stages, loss_fn=loss_fn, example_shape=shape, sampler=sampler,
+    inputs = RunInputs(
+        loss_fn=loss_fn, example_shape=shape, sampler=sampler,
         init_params=lambda key: canary.model.init(key, jnp.zeros((1,) + shape, jnp.float32)),
         budget=accounting.Budget(epsilon=claimed_epsilon, delta=delta, accountant=accountant),
-        total_steps=1, steps_per_epoch=1, micro_batch_size=micro_batch_size,
-        mesh=sharding.make_mesh(), public_images=canary.public, num_classes=canary.num_classes,
+        total_steps=1, steps_per_epoch=1, public_images=canary.public,
+        num_classes=canary.num_classes,
         linear_apply=canary.model.apply,  # logistic: already linear
         model=canary.model)  # the audit checks the per-example strategy the run would use
+    compiled = compile_pipeline(stages, inputs, micro_batch_size=micro_batch_size,
+                                mesh=sharding.make_mesh())
     claimed = compiled.epsilon_after(1)
     indices = np.zeros(sampler.padded_batch_size, np.int64)
     indices[:n] = np.arange(n)

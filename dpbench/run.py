@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dpbench import accounting, data, models, records, sampling, sharding
+from dpbench.compiler.facts import RunInputs
 from dpbench.compiler.pipeline import CompiledPipeline, account_only, compile_pipeline
 from dpbench.config import TrainConfig
 from dpbench.stages.base import Stage
@@ -103,17 +104,18 @@ class _Parts:
         return self.model.init(key, jnp.zeros((1,) + tuple(self.dataset.input_shape),
                                               jnp.float32))
 
-    def compile_args(self, config: TrainConfig, budget: accounting.Budget) -> dict:
-        """The arguments compile_pipeline and account_only share."""
+    def inputs(self, config: TrainConfig, budget: accounting.Budget) -> RunInputs:
+        """What the run is compiled from (compile_pipeline and account_only alike): the one
+        place a run's parts become the compiler's inputs, from which every run fact derives."""
         dataset = self.dataset
-        return dict(init_params=self.init_params, example_shape=dataset.input_shape,
-                    sampler=self.sampler, budget=budget, total_steps=self.total_steps,
-                    steps_per_epoch=max(int(round(self.steps_per_epoch)), 1),
-                    noise_multiplier=config.noise_multiplier,
-                    public_images=None if dataset.public is None else dataset.public.images,
-                    num_classes=dataset.num_classes,
-                    linear_apply=self.model_config.linearized(dataset.num_classes).apply,
-                    model=self.model)
+        return RunInputs(init_params=self.init_params, example_shape=dataset.input_shape,
+                         loss_fn=models.cross_entropy_loss(self.model), model=self.model,
+                         sampler=self.sampler, budget=budget, total_steps=self.total_steps,
+                         steps_per_epoch=max(int(round(self.steps_per_epoch)), 1),
+                         noise_multiplier=config.noise_multiplier,
+                         public_images=None if dataset.public is None else dataset.public.images,
+                         num_classes=dataset.num_classes,
+                         linear_apply=self.model_config.linearized(dataset.num_classes).apply)
 
 
 def _parts(config: TrainConfig, budget: accounting.Budget,
@@ -143,10 +145,9 @@ def build_run(stages: Sequence[Stage], config: TrainConfig, budget: accounting.B
     mesh = sharding.make_mesh()
     t0 = time.time()
     compiled = compile_pipeline(
-        stages, loss_fn=models.cross_entropy_loss(parts.model), mesh=mesh,
+        stages, parts.inputs(config, budget), mesh=mesh,
         micro_batch_size=config.micro_batch_size, ema_decay=config.ema_decay,
-        fidelity_diagnostics=config.fidelity_every_steps > 0, host_seed=parts.seeds[3],
-        **parts.compile_args(config, budget))
+        fidelity_diagnostics=config.fidelity_every_steps > 0, host_seed=parts.seeds[3])
     dataset = parts.dataset
     return Run(dataset=dataset, model=parts.model, model_name=parts.model_config.name,
                sampler=parts.sampler, mesh=mesh, compiled=compiled,
@@ -163,7 +164,7 @@ def run_event(stages: Sequence[Stage], config: TrainConfig, budget: accounting.B
     (``account_only``: the data, the sampler and sigma's calibration, but no mesh, no lowered
     or traced step, no jit). Equal to ``build_run(...).compiled.run_event()``."""
     parts = _parts(config, budget, None)
-    return account_only(stages, **parts.compile_args(config, budget)).run_event()
+    return account_only(stages, parts.inputs(config, budget)).run_event()
 
 
 def describe_features(features: dict) -> list:

@@ -13,13 +13,14 @@ synthetic problem (logistic regression on 8x8 random images), and must pass:
    factors of the bounded stages); an aggregate transform moves its output by at most its
    declared Lipschitz factor times the change of its input;
 3. ``state``: from the same state and keys, two different private batches leave its state
-   identical, unless it is an accounted mechanism (a cost or a one-off release) or reads only
-   released values;
+   identical, unless it is an accounted mechanism (a one-off release, or a cost other than
+   ``NoOpDpEvent``, which claims the output ignores the private values) or reads only released
+   values;
 4. ``mask``: a declared ``Mask.PER_EXAMPLE`` (its per-example apply IS its public mask, so
    book-keeping may skip materializing it) gives the same clipped sum compiled either way;
-5. ``elementwise``: a declared ``elementwise`` stage maps a reordered gradient to the same
-   reordering of its output, whatever its key;
-6. ``layer_clip``: a clip's book-keeping form (``StageFns.layer_clip``) gives the clipped sum
+5. ``elementwise``: a stage's declared scalar map (``Hooks.elementwise``), applied to a
+   reordered gradient, gives the same reordering of what its ``apply`` gives, whatever the key;
+6. ``layer_clip``: a clip's book-keeping form (``Hooks.layer_clip``) gives the clipped sum
    its per-example apply gives, a non-finite example included.
 
 Inputs are public synthetic data: checking reads nothing private and spends no privacy.
@@ -37,8 +38,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from dp_accounting import dp_event
 
 from dpbench import accounting, models, sampling, stages
+from dpbench.compiler.facts import RunInputs
 from dpbench.compiler.pipeline import compile_pipeline
 from dpbench.stages.base import Kind as K
 
@@ -99,14 +102,15 @@ def compile_small(stage_list, with_model: bool = True):
     model = models.make_model(CLASSES, name="logistic")
     sampler = sampling.PoissonSampler(N, BATCH, seed=0, pad_multiple=MICRO)
     public = np.random.default_rng(1).uniform(size=(512,) + SHAPE).astype(np.float32)
-    compiled = compile_pipeline(
-        stage_list, loss_fn=models.cross_entropy_loss(model),
+    inputs = RunInputs(
+        loss_fn=models.cross_entropy_loss(model),
         init_params=lambda key: model.init(key, jnp.zeros((1,) + SHAPE)), example_shape=SHAPE,
         # PLD: at this harness's q = 0.25 dp_accounting's RDP logs ~60 warnings about its
         # fractional orders for every checked stage (and PLD calibrates faster here)
         sampler=sampler, budget=accounting.Budget(epsilon=3.0, delta=1e-5, accountant="pld"),
-        total_steps=10, steps_per_epoch=4, micro_batch_size=MICRO, public_images=public,
-        num_classes=CLASSES, linear_apply=model.apply, model=model if with_model else None)
+        total_steps=10, steps_per_epoch=4, public_images=public, num_classes=CLASSES,
+        linear_apply=model.apply, model=model if with_model else None)
+    compiled = compile_pipeline(stage_list, inputs, micro_batch_size=MICRO)
     return compiled, model
 
 
@@ -154,9 +158,9 @@ def check_jit(h: Harness) -> None:
 def _bounded_sum_bound(compiled) -> float:
     """The clip bound times the Lipschitz factors of the BOUNDED stages after the clip."""
     plan = compiled.plan
-    bound = plan.stages[plan.validated.clip_index].l2_bound
+    bound = plan.stages[plan.validated.clip_index].privacy.l2_bound
     for s in plan.stages[plan.validated.clip_index + 1:plan.num_per_example]:
-        bound *= s.lipschitz
+        bound *= s.privacy.lipschitz
     return bound
 
 
@@ -164,13 +168,16 @@ def _which_declaration_lies(h: Harness, moved: float, declared: float) -> str:
     """Name the declaration that the measured move contradicts, and the least honest value."""
     said = (f"one example moved the clipped sum by {moved:.4g}, more than the declared bound "
             f"{declared:.4g}")
-    if h.stage.kind_in == K.BOUNDED and h.stage.lipschitz is not None:
-        honest = h.stage.lipschitz * moved / declared
-        return (f"{said}, so its declared Lipschitz factor {h.stage.lipschitz:g} is too small: "
+    declared_privacy = h.stage.privacy
+    if h.stage.kind_in == K.BOUNDED and declared_privacy.lipschitz is not None:
+        honest = declared_privacy.lipschitz * moved / declared
+        return (f"{said}, so its declared Lipschitz factor {declared_privacy.lipschitz:g} is too "
+                "small: "
                 f"declare lipschitz >= {honest:.4g} or make the stage contract by the factor it "
                 "declares")
-    if h.stage.kind_out == K.BOUNDED and h.stage.l2_bound is not None:
-        return (f"{said}, so it clips to more than its declared l2_bound {h.stage.l2_bound:g}: "
+    if h.stage.kind_out == K.BOUNDED and declared_privacy.l2_bound is not None:
+        return (f"{said}, so it clips to more than its declared l2_bound "
+                f"{declared_privacy.l2_bound:g}: "
                 "clip to the bound it declares, or declare the bound it clips to")
     return f"{said}: the stage changes what the clip bounds"
 
@@ -179,7 +186,8 @@ def check_bound(h: Harness) -> None:
     rng = np.random.default_rng()
     clipped_sum = jax.jit(lambda state, batch: h.compiled.lowered.clipped_sum(state, batch)[0])
     plan = h.compiled.plan
-    bound, parts = _bounded_sum_bound(h.compiled), plan.stages[plan.validated.clip_index].parts
+    bound = _bounded_sum_bound(h.compiled)
+    parts = plan.stages[plan.validated.clip_index].privacy.parts
     first = h.compiled.sampler.sample(0).indices[0]
     for scale in (1e3, 1e6):
         huge, huge_labels = h.images.copy(), h.labels.copy()
@@ -197,7 +205,8 @@ def check_bound(h: Harness) -> None:
                 parts) * bound * (1 + 1e-4):
             raise StageCheckError(h.stage.name, "bound", _which_declaration_lies(
                 h, _norm(diff), np.sqrt(parts) * bound))
-    if h.stage.kind_in == K.AGGREGATE and h.stage.lipschitz is not None:
+    lipschitz = h.stage.privacy.lipschitz
+    if h.stage.kind_in == K.AGGREGATE and lipschitz is not None:
         ctx = stages.StepContext(params=h.state.params, step=jnp.asarray(0),
                                  key=jax.random.key(2),
                                  host_inputs=h.compiled.stage_inputs(0).get(str(h.index)))
@@ -206,16 +215,25 @@ def check_bound(h: Harness) -> None:
                              h.state.params) for _ in range(2))
         out = jax.tree.map(jnp.subtract, fns.apply(x, own, ctx)[0], fns.apply(y, own, ctx)[0])
         ratio = _norm(out) / _norm(jax.tree.map(jnp.subtract, x, y))
-        if ratio > h.stage.lipschitz * (1 + 1e-5):
+        if ratio > lipschitz * (1 + 1e-5):
             raise StageCheckError(h.stage.name, "bound", (
                 f"it stretched a difference {ratio:.4g}x, more than its declared Lipschitz "
-                f"factor {h.stage.lipschitz:g}"))
+                f"factor {lipschitz:g}"))
+
+
+def _accounted(h: Harness) -> bool:
+    """The stage is itself an accounted mechanism: a one-off release, or a cost other than
+    NoOpDpEvent (which claims its output ignores the private values: checked, not trusted)."""
+    privacy = h.stage.privacy
+    if privacy.one_off_release is not None:
+        return True
+    return privacy.cost is not None and not isinstance(
+        privacy.cost(h.compiled.plan.run_facts.for_stage(h.stage)), dp_event.NoOpDpEvent)
 
 
 def check_state(h: Harness) -> None:
     stage = h.stage
-    if (stage.cost is not None or stage.one_off_release is not None
-            or stage.kind_in in (K.RELEASED, K.UPDATES)):
+    if _accounted(h) or stage.kind_in in (K.RELEASED, K.UPDATES):
         return
     after = [h.compiled.step(_copy(h.state), h.batch(x, y))[0].stage_states[h.index]
              for x, y in ((h.images, h.labels), synthetic_data(1))]
@@ -236,11 +254,11 @@ def _strategies_agree(h: Harness, images) -> bool:
 
     slow, _ = compile_small(smallest_pipeline(h.stage), with_model=False)
     batch = h.batch(images, h.labels)
-    loss_fn, key = models.cross_entropy_loss(h.model), jax.random.key(7)
-    states = jax.jit(begin_step_fn(h.compiled.plan, loss_fn))(h.state, key)
+    key = jax.random.key(7)
+    states = jax.jit(begin_step_fn(h.compiled.plan))(h.state, key)
 
     def clipped_sum(plan):
-        fn = per_example.clipped_sum_fn(plan, loss_fn)
+        fn = per_example.clipped_sum_fn(plan)
         return jax.jit(lambda b: fn(h.state.params, states, h.state.step, key, b)[0])(batch)
 
     fast_sum, slow_sum = clipped_sum(h.compiled.plan), clipped_sum(slow.plan)
@@ -250,7 +268,7 @@ def _strategies_agree(h: Harness, images) -> bool:
 
 
 def check_mask_declaration(h: Harness) -> bool:
-    if stages.Mask.PER_EXAMPLE not in h.stage.public_mask:
+    if stages.Mask.PER_EXAMPLE not in h.stage.privacy.public_mask:
         return False
     if not _strategies_agree(h, h.images):
         raise StageCheckError(h.stage.name, "mask", "it is not its declared per-example mask "
@@ -259,9 +277,9 @@ def check_mask_declaration(h: Harness) -> bool:
 
 
 def check_layer_clip(h: Harness) -> bool:
-    """A clip stage's book-keeping form (StageFns.layer_clip) gives the clipped sum its
+    """A clip stage's book-keeping form (Hooks.layer_clip) gives the clipped sum its
     per-example apply gives (what the compiler relies on when it runs the layer form)."""
-    if h.compiled.plan.fns[h.index].layer_clip is None:
+    if h.compiled.plan.fns[h.index].hooks.layer_clip is None:
         return False
     images, sample = h.images.copy(), h.compiled.sampler.sample(0)
     images[sample.indices[np.argmax(sample.mask)]] = np.nan  # non-finite: both leave it out
@@ -272,27 +290,30 @@ def check_layer_clip(h: Harness) -> bool:
 
 
 def check_elementwise_declaration(h: Harness) -> bool:
-    """apply(reversed, flattened g) == reversed, flattened apply(g), with another key: what
-    book-keeping relies on when it hands the stage outputs-first kernels."""
-    if not h.stage.elementwise:
+    """The declared scalar map on the reversed, flattened g == the reversed, flattened apply(g)
+    (any key): what book-keeping relies on when it maps outputs-first kernels with it."""
+    fns, own = h.compiled.plan.fns[h.index], h.state.stage_states[h.index]
+    scalar = fns.hooks.elementwise
+    if scalar is None:
         return False
     rng = np.random.default_rng()
-    fns, own = h.compiled.plan.fns[h.index], h.state.stage_states[h.index]
     grads = jax.tree.map(lambda p: jnp.asarray(rng.normal(size=p.shape) * 10.0 ** rng.uniform(
         -5, 1, size=p.shape), p.dtype), h.state.params)
 
     def apply(tree, seed):
         ctx = stages.StepContext(params=h.state.params, step=jnp.asarray(0),
                                  key=jax.random.key(seed))
-        return jax.jit(lambda t: fns.apply(t, own, ctx))(tree)
+        return jax.jit(lambda t: fns.apply(t, own, ctx)[0])(tree)
 
     want = apply(grads, 0)
-    got = apply(jax.tree.map(lambda g: g.reshape(-1)[::-1], grads), 1)
+    got = jax.jit(lambda t: jax.tree.map(scalar, t))(
+        jax.tree.map(lambda g: g.reshape(-1)[::-1], grads))
     if any(not np.array_equal(g, w.reshape(-1)[::-1])
            for w, g in zip(jax.tree.leaves(want), jax.tree.leaves(got))) or not any(
             float(jnp.abs(w).sum()) > 0 for w in jax.tree.leaves(want)):
-        raise StageCheckError(h.stage.name, "elementwise", "it declares elementwise but its "
-                              "output depends on positions or keys")
+        raise StageCheckError(h.stage.name, "elementwise", "its declared elementwise map is "
+                              "not what its apply does on every coordinate (apply depends on "
+                              "positions or keys, or the map differs)")
     return True
 
 

@@ -133,20 +133,23 @@ def compile_small(stage_list, *, n=64, batch_size=16, micro=8, noise_multiplier=
     sampler = sampling.PoissonSampler(n, batch_size, seed=seed, pad_multiple=micro,
                                       padded_batch_size=padded_batch_size)
     budget = budget or accounting.Budget(epsilon=3.0, delta=1e-5)
-    compiled = compiler.compile_pipeline(
-        stage_list, loss_fn=loss_fn, init_params=init_params, example_shape=shape,
+    compiled = compiler.compile_pipeline(stage_list, compiler.RunInputs(
+        loss_fn=loss_fn, init_params=init_params, example_shape=shape,
         sampler=sampler, budget=budget, total_steps=total_steps, steps_per_epoch=4,
-        micro_batch_size=micro, mesh=mesh, noise_multiplier=noise_multiplier,
-        public_images=public_images, num_classes=4, ema_decay=ema_decay,
-        model=model if book_keeping else None)
+        noise_multiplier=noise_multiplier, public_images=public_images, num_classes=4,
+        model=model if book_keeping else None), micro_batch_size=micro, mesh=mesh,
+        ema_decay=ema_decay)
     return compiled, init_params, loss_fn
 
 
 def made(stage, **facts):
-    """The stage's step functions made with small default run facts (override by keyword)."""
-    info = stages.StageInfo(**dict(dict(total_steps=10, steps_per_epoch=5, expected_batch_size=4,
-                                        dataset_size=40, param_shapes=None), **facts))
-    return stage.make(info)
+    """The stage's step functions made with small default run facts (override by keyword),
+    seen as the compiler shows them: only the facts the stage names in ``needs``."""
+    from dpbench.compiler.facts import StageFacts
+
+    values = dict(dict(total_steps=10, steps_per_epoch=5, expected_batch_size=4,
+                       dataset_size=40, param_shapes=None), **facts)
+    return stage.make(StageFacts(values, stage.name, stage.needs))
 
 
 def random_data(n, shape=(8, 8, 1), num_classes=4, seed=0):

@@ -35,12 +35,13 @@ def test_configure_starts_afresh_and_check_names_a_lying_stage(tmp_path, monkeyp
     monkeypatch.syspath_prepend(str(tmp_path))
     (tmp_path / "api_liar.py").write_text(textwrap.dedent('''
         from dpbench import ops
-        from dpbench.stages import Kind, Stage, register_stage, stateless
+        from dpbench.stages import Kind, Privacy, Stage, register_stage, stateless
 
         @register_stage("apiliar.clip")
         def clip() -> Stage:
             return Stage(name="apiliar.clip", kind_in=Kind.PER_EXAMPLE, kind_out=Kind.BOUNDED,
-                         make=stateless(lambda g, s, ctx: ops.clip_to_l2(g, 1.0)), l2_bound=0.1)
+                         make=stateless(lambda g, s, ctx: (ops.clip_to_l2(g, 1.0), s)),
+                         privacy=Privacy(l2_bound=0.1))
     '''))
     gin_text = ("import api_liar\ninclude 'pipelines/dpsgd/pipeline.gin'\nSTAGES = ["
                 "@grad.per_example(), @apiliar.clip(), @noise.gaussian(), @optimize.optax()]")
@@ -59,7 +60,8 @@ def scale_stage_source(name: str) -> str:
         def scale(factor: float = FACTOR) -> Stage:
             return Stage(name="NAME", kind_in=Kind.PER_EXAMPLE,
                          kind_out=Kind.PER_EXAMPLE, options=dict(factor=factor),
-                         make=stateless(lambda g, s, ctx: jax.tree.map(lambda v: factor * v, g)))
+                         make=stateless(lambda g, s, ctx: (jax.tree.map(lambda v: factor * v, g),
+                                                           s)))
     ''').replace("NAME", name)
 
 

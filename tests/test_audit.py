@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from dpbench import audit, config, stages
-from dpbench.stages.base import Kind, Stage, stateless
+from dpbench.stages.base import Kind, Privacy, Stage, stateless
 from dpbench.ops import add_gaussian_noise
 from dpbench.train import pipeline_stages
 from tests.conftest import REPO_ROOT, run_guarded
@@ -22,16 +22,16 @@ def pipeline(gin_file, bindings=()):
 def no_clip(l2_bound):
     """Declares a clip bound but never clips."""
     return Stage(name="broken.no_clip", kind_in=Kind.PER_EXAMPLE, kind_out=Kind.BOUNDED,
-                 make=stateless(lambda value, state, ctx: value), l2_bound=l2_bound)
+                 make=stateless(lambda value, state, ctx: (value, state)),
+                 privacy=Privacy(l2_bound=l2_bound))
 
 
 def scaled_noise(factor):
     """Adds noise with standard deviation factor * sigma * sensitivity."""
     def apply(value, state, ctx):
-        return add_gaussian_noise(value, ctx.key,
-                                  factor * ctx.noise_multiplier * ctx.sensitivity), state
+        return add_gaussian_noise(value, ctx.key, factor * ctx.noise_stddev), state
     return Stage(name="broken.scaled_noise", kind_in=Kind.AGGREGATE, kind_out=Kind.RELEASED,
-                 make=stateless(apply), is_release=True)
+                 make=stateless(apply))
 
 
 def sgd():
@@ -133,8 +133,8 @@ from dpbench.stages import Kind, Stage, register_stage, stateless
 def half_noise() -> Stage:
     \"\"\"Declares the Gaussian release but adds half its noise.\"\"\"
     return Stage(name="broken.half_noise", kind_in=Kind.AGGREGATE, kind_out=Kind.RELEASED,
-                 is_release=True, make=stateless(lambda value, state, ctx: (add_gaussian_noise(
-                     value, ctx.key, 0.5 * ctx.noise_multiplier * ctx.sensitivity), state)))
+                 make=stateless(lambda value, state, ctx: (add_gaussian_noise(
+                     value, ctx.key, 0.5 * ctx.noise_stddev), state)))
 """
 
 

@@ -19,12 +19,13 @@ MICRO = 8
 
 def _compile(stage_list, model, with_model: bool, shape, n=48, batch=24, public_images=None):
     sampler = sampling.PoissonSampler(n, batch, seed=0, pad_multiple=MICRO)
-    return compiler.compile_pipeline(
-        stage_list, loss_fn=models.cross_entropy_loss(model),
+    return compiler.compile_pipeline(stage_list, compiler.RunInputs(
+        loss_fn=models.cross_entropy_loss(model),
         init_params=lambda key: model.init(key, jnp.zeros((1,) + shape)), example_shape=shape,
         sampler=sampler, budget=accounting.Budget(3.0, 1e-5), total_steps=10,
-        steps_per_epoch=2, micro_batch_size=MICRO, noise_multiplier=1.0,
-        public_images=public_images, model=model if with_model else None)
+        steps_per_epoch=2, noise_multiplier=1.0,
+        public_images=public_images, model=model if with_model else None),
+        micro_batch_size=MICRO)
 
 
 def _chain(kind):

@@ -9,8 +9,10 @@ import numpy as np
 import optax
 import pytest
 
+from dp_accounting import dp_event
+
 from dpbench import compiler, stages
-from dpbench.stages.base import Kind, Stage, stateless
+from dpbench.stages.base import Kind, Privacy, Stage, stateless
 from tests.conftest import (REPO_ROOT, compile_small, dpsgd_stages, make_batch, random_data,
                             run_guarded, small_model)
 from tests.stages.test_noise import std_test_pvalue
@@ -99,9 +101,15 @@ def test_the_step_does_not_recompile_across_steps():
     assert compiled.step._cache_size() == 1  # ... one compiled executable
 
 
-def _stage(name, kind_in, kind_out, **kw):
-    kw.setdefault("make", stateless(lambda v, s, ctx: (v, s)))
-    return Stage(name=name, kind_in=kind_in, kind_out=kind_out, **kw)
+def _stage(name, kind_in, kind_out, make=None, needs=(), **privacy):
+    """A test stage: its privacy declaration given by keyword (Privacy's fields)."""
+    return Stage(name=name, kind_in=kind_in, kind_out=kind_out,
+                 make=make or stateless(lambda v, s, ctx: (v, s)), needs=needs,
+                 privacy=Privacy(**privacy))
+
+
+def _costs_nothing(facts):
+    return dp_event.NoOpDpEvent()
 
 
 def test_noise_before_clip_is_rejected_naming_the_stage():
@@ -179,7 +187,9 @@ def test_one_off_releases_are_checked(release, message):
 
     def pruner(name, bound, fraction):
         return _stage(name, Kind.PER_EXAMPLE, Kind.PER_EXAMPLE,
-                      one_off_release=OneOffRelease(l2_bound=bound, epsilon_fraction=fraction))
+                      one_off_release=OneOffRelease(l2_bound=bound, epsilon_fraction=fraction,
+                                                    value=lambda p, g: g,
+                                                    init=lambda p, r, k: ()))
 
     def pipeline(*middle):
         return [stages.grad.per_example(), *middle, stages.clip.global_l2(1.0),
@@ -194,31 +204,28 @@ def test_one_off_releases_are_checked(release, message):
 
 def test_the_compiler_runs_exactly_the_validated_declarations():
     """make() returns step functions only: a stage cannot change what was validated. A make
-    that returns anything else, a cost that returns no DpEvent, and a declared one-off release
-    without its functions are all rejected naming the stage; an honest stage compiles."""
+    that returns anything else and a cost that returns no DpEvent are rejected naming the
+    stage, and a one-off release cannot be declared without its functions; an honest stage
+    compiles."""
     def pipeline(middle):
         return [stages.grad.per_example(), stages.clip.global_l2(1.0), middle,
                 stages.noise.gaussian(), stages.optimize.optax_optimizer()]
 
     sneaky = _stage("select.sneaky", Kind.AGGREGATE, Kind.AGGREGATE, lipschitz=1.0,
-                    reads_private=False,
-                    make=lambda info: _stage("x", Kind.AGGREGATE, Kind.AGGREGATE))
+                    cost=_costs_nothing,
+                    make=lambda facts: _stage("x", Kind.AGGREGATE, Kind.AGGREGATE))
     with pytest.raises(compiler.PipelineError, match=r"'select.sneaky'.*not StageFns"):
         compile_small(pipeline(sneaky), noise_multiplier=1.0)
     free = _stage("select.free", Kind.AGGREGATE, Kind.AGGREGATE, lipschitz=1.0,
-                  cost=lambda info: None)
+                  cost=lambda facts: None)
     with pytest.raises(compiler.PipelineError,
                        match=r"'select.free' declares a DP cost, but its cost returned None"):
         compile_small(pipeline(free), noise_multiplier=1.0)
     from dpbench.stages.base import OneOffRelease
-    hollow = _stage("prune.hollow", Kind.PER_EXAMPLE, Kind.PER_EXAMPLE,
-                    one_off_release=OneOffRelease(l2_bound=1.0, epsilon_fraction=0.1))
-    with pytest.raises(compiler.PipelineError, match=r"'prune.hollow' declares a one-off"):
-        compile_small([stages.grad.per_example(), hollow, stages.clip.global_l2(1.0),
-                       stages.noise.gaussian(), stages.optimize.optax_optimizer()],
-                      noise_multiplier=1.0)
+    with pytest.raises(TypeError, match="value"):
+        OneOffRelease(l2_bound=1.0, epsilon_fraction=0.1)  # noqa: the functions are required
     honest = _stage("select.honest", Kind.AGGREGATE, Kind.AGGREGATE, lipschitz=1.0,
-                    reads_private=False)
+                    cost=_costs_nothing)
     compile_small(pipeline(honest), noise_multiplier=1.0)
 
 
@@ -374,11 +381,11 @@ def test_fidelity_diagnostics_compare_the_release_with_the_clean_clipped_mean(si
     compiled, init_params, _ = compile_small(
         dpsgd_stages(l2_bound=0.5, optimizer="sgd"), n=n, batch_size=n, micro=8,
         noise_multiplier=sigma, padded_batch_size=n)
-    compiled = compiler.compile_pipeline(
-        list(compiled.stages), loss_fn=small_model()[1],
+    compiled = compiler.compile_pipeline(list(compiled.stages), compiler.RunInputs(
+        loss_fn=small_model()[1],
         init_params=init_params, example_shape=(8, 8, 1), sampler=compiled.sampler,
-        budget=compiled.budget, total_steps=10, steps_per_epoch=4, micro_batch_size=8,
-        noise_multiplier=sigma, fidelity_diagnostics=True)
+        budget=compiled.budget, total_steps=10, steps_per_epoch=4,
+        noise_multiplier=sigma), micro_batch_size=8, fidelity_diagnostics=True)
     state = compiled.init_state(init_params(jax.random.key(0)), jax.random.key(1))
     b = compiled.sampler.sample(0)
     _, metrics = compiled.step(state, make_batch(compiled, images, labels, b.indices, b.mask))

@@ -25,8 +25,8 @@ STAGE_MODULE = textwrap.dedent('''
         """Scales each example's gradient before the clip (the clip bounds what it does)."""
         return Stage(name="halfclip.scale", kind_in=Kind.PER_EXAMPLE,
                      kind_out=Kind.PER_EXAMPLE, options=dict(factor=factor),
-                     make=stateless(lambda grads, state, ctx: jax.tree.map(
-                         lambda g: factor * g, grads)))
+                     make=stateless(lambda grads, state, ctx: (jax.tree.map(
+                         lambda g: factor * g, grads), state)))
 ''')
 PIPELINE = textwrap.dedent('''
     import halfclip_stages
@@ -170,14 +170,15 @@ def test_a_fixed_trial_count_composes_its_runs(q, sigma, steps):
 
 LYING_STAGES = textwrap.dedent('''
     from dpbench import ops
-    from dpbench.stages import Kind, Stage, register_stage, stateless
+    from dpbench.stages import Kind, Privacy, Stage, register_stage, stateless
 
 
     @register_stage("liar.clip")
     def clip() -> Stage:
         """Declares clip bound 0.1 but clips at 1.0."""
         return Stage(name="liar.clip", kind_in=Kind.PER_EXAMPLE, kind_out=Kind.BOUNDED,
-                     make=stateless(lambda g, state, ctx: ops.clip_to_l2(g, 1.0)), l2_bound=0.1)
+                     make=stateless(lambda g, state, ctx: (ops.clip_to_l2(g, 1.0), state)),
+                     privacy=Privacy(l2_bound=0.1))
 ''')
 
 

@@ -15,15 +15,15 @@ USER_MODULE = textwrap.dedent('''
     import jax
 
     from dpbench import ops
-    from dpbench.stages import Kind, Stage, register_stage, stateless
+    from dpbench.stages import Kind, Privacy, Stage, register_stage, stateless
 
 
     @register_stage("user.scale")
     def scale(factor: float = 0.5) -> Stage:
         """Scales one example's gradient before the clip (the clip bounds whatever it does)."""
         return Stage(name="user.scale", kind_in=Kind.PER_EXAMPLE, kind_out=Kind.PER_EXAMPLE,
-                     make=stateless(lambda grads, state, ctx: jax.tree.map(
-                         lambda g: factor * g, grads)),
+                     make=stateless(lambda grads, state, ctx: (jax.tree.map(
+                         lambda g: factor * g, grads), state)),
                      options=dict(factor=factor))
 
 
@@ -31,14 +31,16 @@ USER_MODULE = textwrap.dedent('''
     def loose_clip() -> Stage:
         """Lies: declares clip bound 0.1 but clips at 1.0."""
         return Stage(name="user.loose_clip", kind_in=Kind.PER_EXAMPLE, kind_out=Kind.BOUNDED,
-                     make=stateless(lambda g, state, ctx: ops.clip_to_l2(g, 1.0)), l2_bound=0.1)
+                     make=stateless(lambda g, state, ctx: (ops.clip_to_l2(g, 1.0), state)),
+                     privacy=Privacy(l2_bound=0.1))
 
 
     @register_stage("user.peek")
     def peek() -> Stage:
         """Mis-declared: reads the private aggregate before the release with no DP cost."""
         return Stage(name="user.peek", kind_in=Kind.AGGREGATE, kind_out=Kind.AGGREGATE,
-                     lipschitz=1.0, make=stateless(lambda value, state, ctx: (value, state)))
+                     privacy=Privacy(lipschitz=1.0),
+                     make=stateless(lambda value, state, ctx: (value, state)))
 ''')
 
 GIN = textwrap.dedent('''

@@ -90,12 +90,12 @@ def test_dp_sgd_on_wrn_16_4_takes_two_steps_on_fashion_mnist_by_bookkeeping(wrn_
 
 def _wrn_compiled(chain, with_model: bool, shape, model):
     sampler = sampling.PoissonSampler(48, 24, seed=0, pad_multiple=8)
-    return compiler.compile_pipeline(
-        chain, loss_fn=models.cross_entropy_loss(model),
+    return compiler.compile_pipeline(chain, compiler.RunInputs(
+        loss_fn=models.cross_entropy_loss(model),
         init_params=lambda key: model.init(key, jnp.zeros((1,) + shape)), example_shape=shape,
         sampler=sampler, budget=accounting.Budget(3.0, 1e-5), total_steps=10,
-        steps_per_epoch=2, micro_batch_size=8, noise_multiplier=1.0,
-        model=model if with_model else None)
+        steps_per_epoch=2, noise_multiplier=1.0,
+        model=model if with_model else None), micro_batch_size=8)
 
 
 def test_bookkeeping_gives_the_wrns_clipped_sum_with_augmentation(wrn_knobs):
@@ -115,7 +115,8 @@ def test_bookkeeping_gives_the_wrns_clipped_sum_with_augmentation(wrn_knobs):
     fast, slow = (_wrn_compiled(chain, with_model, shape, model) for with_model in (True, False))
     assert (fast.plan.strategy, slow.plan.strategy) == ("bookkeeping", "materialized")
     assert {t.kind for t in fast.plan.taps} == {"matmul", "affine"}
-    assert fast.plan.info.layer_grads is None  # StageInfo's documented form: matmul taps only
+    # the run fact layer_grads has its documented form only: matmul taps only
+    assert fast.plan.run_facts.get("layer_grads") is None
     assert {t.path[0].split("_")[0] for t in fast.plan.taps} == {
         "GroupNorm", "conv", "head", "shortcut", "stem"}
     rng = np.random.default_rng()
@@ -137,7 +138,7 @@ def test_bookkeeping_gives_the_wrns_clipped_sum_with_augmentation(wrn_knobs):
     # GEP's layer form takes matmul layers only: its record says so for the WRN.
     gep = [stages.grad.per_example(), stages.gep.embed_and_clip(num_basis=2, num_anchors=4)]
     reason = bookkeeping.strategy_reason(gep + chain[3:], 2, fast.plan.taps, model,
-                                         fast.plan.info.param_shapes, shape)
+                                         fast.plan.run_facts.get("param_shapes"), shape)
     assert "not GroupNorm's scale and bias" in reason
 
 

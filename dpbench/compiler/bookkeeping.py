@@ -22,9 +22,9 @@ other per-example stage (Nasr's discretization) runs on per-example gradients ma
 the layer terms, still faster than a vmapped backward pass. tests/test_bookkeeping.py checks
 the same clipped sum both ways.
 
-A clip stage that states its own book-keeping form (``StageFns.layer_clip``: GEP's embedding,
+A clip stage that states its own book-keeping form (``Hooks.layer_clip``: GEP's embedding,
 norms and both clips as contractions) gets every example's layer gradients from one batched
-backward pass (``layer_grads_fn``, also handed to stages as ``StageInfo.layer_grads``), on a
+backward pass (``layer_grads_fn``, also handed to stages as the run fact ``layer_grads``), on a
 model of matmul taps and without augmentation.
 """
 
@@ -87,11 +87,11 @@ def strategy_reason(stages, num_per_example: int, taps: Optional[tuple], model,
 
 
 def applies_layer_clip(stages, fns, num_per_example: int, taps: Optional[tuple]) -> bool:
-    """[grad.per_example (no augmentation), a clip stage with ``StageFns.layer_clip``] on a
+    """[grad.per_example (no augmentation), a clip stage with ``Hooks.layer_clip``] on a
     model made of matmul tap layers: the clip's own book-keeping form computes the same sum
     (GEP)."""
     return (taps is not None and num_per_example == 2 and _plain_gradient(stages[0])
-            and all(t.kind != AFFINE for t in taps) and fns[1].layer_clip is not None)
+            and all(t.kind != AFFINE for t in taps) and fns[1].hooks.layer_clip is not None)
 
 
 def _per_example_leaves(tap: Tap, a, delta, outputs_first: bool = True) -> dict:
@@ -106,7 +106,7 @@ def _per_example_leaves(tap: Tap, a, delta, outputs_first: bool = True) -> dict:
 
 
 def layer_grads_fn(model, taps: tuple):
-    """``StageInfo.layer_grads`` for this model (bind gives it to stages only when every tap is
+    """The run fact ``layer_grads`` for this model (compiler/facts.py: only when every tap is
     a matmul layer): (params, images, labels, mask) -> ({tap path: {"bias": (b, p), "kernel":
     (b, p, d)}} nested like params["params"] (an affine tap would give "scale" and "bias", (b, p)
     each), per-example losses), every example's gradient of its own loss from one batched
@@ -128,7 +128,7 @@ def layer_grads_fn(model, taps: tuple):
 
 def masks_only(stages, clip_index: int) -> bool:
     """Every stage between the gradient and the clip is a public mask (Mask.PER_EXAMPLE)."""
-    return all(Mask.PER_EXAMPLE in s.public_mask for s in stages[1:clip_index])
+    return all(Mask.PER_EXAMPLE in s.privacy.public_mask for s in stages[1:clip_index])
 
 
 def _layer_terms(a, delta, kernel_mask, bias_mask, tap: Tap):

@@ -27,13 +27,15 @@ def _stage_costs(plan: Plan) -> list:
     """(stage, facts, DpEvent per step) for every stage that declares a cost."""
     out = []
     for stage, fns in zip(plan.stages, plan.fns):
-        if stage.cost is None:
+        if stage.privacy.cost is None:
             continue
-        event = stage.cost(plan.info)
+        event = stage.privacy.cost(plan.run_facts.for_stage(stage))
         if not isinstance(event, dp_event.DpEvent):
             raise PipelineError(f"stage '{stage.name}' declares a DP cost, but its cost "
                                 f"returned {event!r} instead of a dp_accounting DpEvent")
-        out.append((stage, dict(stage.options, **fns.facts), event))
+        if isinstance(event, dp_event.NoOpDpEvent):  # declared to read no private value
+            continue
+        out.append((stage, dict(stage.options, **fns.derived), event))
     return out
 
 
@@ -46,10 +48,10 @@ def step_mechanisms_of(plan: Plan, sampler) -> Callable[[float], list]:
     # Each release adds noise to every separately bounded part of the clipped value (GEP: 2):
     # k Gaussians of one batch with one sigma, each scaled to its own sensitivity, compose to
     # one Gaussian with multiplier sigma / sqrt(k).
-    parts = len(releases) * clip.parts
-    lipschitz = {s.name: s.lipschitz for s in validated.stages[validated.clip_index + 1:]
-                 if s.lipschitz is not None and not s.is_release}
-    clip_facts = dict(clip.options, **plan.fns[validated.clip_index].facts)
+    parts = len(releases) * clip.privacy.parts
+    lipschitz = {s.name: s.privacy.lipschitz for s in validated.stages[validated.clip_index + 1:]
+                 if s.privacy.lipschitz is not None and not s.is_release}
+    clip_facts = dict(clip.options, **plan.fns[validated.clip_index].derived)
     others = _stage_costs(plan)
     note = clip_facts.get("statement_note")  # public inputs of the clip, in words (GEP's basis)
 
@@ -61,7 +63,8 @@ def step_mechanisms_of(plan: Plan, sampler) -> Callable[[float], list]:
             schedule=accounting.EVERY_STEP, event=sampler.dp_event(effective), count=1,
             details=dict(noise_multiplier=sigma, parts=parts,
                          effective_noise_multiplier=effective, clip_stage=clip.name,
-                         clip_l2_bound=clip.l2_bound, part_bounds=clip_facts.get("part_bounds"),
+                         clip_l2_bound=clip.privacy.l2_bound,
+                         part_bounds=clip_facts.get("part_bounds"),
                          lipschitz_factors=lipschitz, l2_sensitivity=validated.sensitivity,
                          noise_stddev=sigma * validated.sensitivity,
                          **({"clip_note": note} if note else {})))
@@ -77,7 +80,7 @@ def _pre_mechanisms(stage: Optional[Stage], sigma: Optional[float], sampler) -> 
     """The ledger line of a one-off release before training (DP-SNIP), if the pipeline has one."""
     if stage is None:
         return ()
-    release = stage.one_off_release
+    release = stage.privacy.one_off_release
     return (accounting.Mechanism(
         name=f"Gaussian release of {release.released}", source=stage.name,
         schedule=accounting.ONCE, event=sampler.dp_event(sigma), count=1,
@@ -141,7 +144,7 @@ def account(plan: Plan, sampler, budget: accounting.Budget, total_steps: int,
     the training sigma is calibrated on the composition of everything. A given sigma is used as
     is (tests, non-private baselines); its epsilon may then exceed the target."""
     step_mechanisms = step_mechanisms_of(plan, sampler)
-    one_off = next((s for s in plan.stages if s.one_off_release is not None), None)
+    one_off = next((s for s in plan.stages if s.privacy.one_off_release is not None), None)
     if noise_multiplier is not None:
         sigma = float(noise_multiplier)
         if sigma < 0 or (sigma > 0 and math.isinf(plan.sensitivity)):
@@ -156,7 +159,7 @@ def account(plan: Plan, sampler, budget: accounting.Budget, total_steps: int,
     budget.validate(sampler.dataset_size)
     init_sigma = None
     if one_off is not None:
-        share = one_off.one_off_release.epsilon_fraction
+        share = one_off.privacy.one_off_release.epsilon_fraction
         init_sigma = accounting.calibrate_noise_multiplier(
             sampler.dp_event, dataclasses.replace(budget, epsilon=share * budget.epsilon))
     draft = Accounting(math.nan, init_sigma, _pre_mechanisms(one_off, init_sigma, sampler),

@@ -35,10 +35,10 @@ def _post_release(plan: Plan, value, states, ctx, upto: int):
     """Public post-processing declared by stages before position ``upto``, in pipeline order:
     their public masks (Mask.RELEASED) and after_release hooks (GEP's reconstruction)."""
     for j in range(upto):
-        if Mask.RELEASED in plan.stages[j].public_mask:
+        if Mask.RELEASED in plan.stages[j].privacy.public_mask:
             value = apply_mask(value, states[j]["mask"])
-        if plan.fns[j].after_release is not None:
-            value = plan.fns[j].after_release(value, states[j], ctx)
+        if plan.fns[j].hooks.after_release is not None:
+            value = plan.fns[j].hooks.after_release(value, states[j], ctx)
     return value
 
 
@@ -53,12 +53,13 @@ class Lowered(NamedTuple):
     evaluation_params: Callable
 
 
-def lower(plan: Plan, acct: Accounting, *, loss_fn: Callable, expected_batch_size: float,
-          ema_decay: float = 0.0, fidelity_diagnostics: bool = False) -> Lowered:
+def lower(plan: Plan, acct: Accounting, *, ema_decay: float = 0.0,
+          fidelity_diagnostics: bool = False) -> Lowered:
     """The step function and the initial state of a bound, accounted pipeline."""
-    step = _make_step(plan, acct, loss_fn, float(expected_batch_size), ema_decay,
-                      fidelity_diagnostics)
-    begin_step, clipped_sum = begin_step_fn(plan, loss_fn), clipped_sum_fn(plan, loss_fn)
+    loss_fn = plan.run_facts.get("loss_fn")
+    expected_batch_size = float(plan.run_facts.get("expected_batch_size"))
+    step = _make_step(plan, acct, loss_fn, expected_batch_size, ema_decay, fidelity_diagnostics)
+    begin_step, clipped_sum = begin_step_fn(plan), clipped_sum_fn(plan)
 
     def clipped_sum_at(state: TrainState, batch: dict):
         key = _step_key(state)
@@ -84,8 +85,8 @@ def _step_key(state: TrainState) -> jax.Array:
 
 
 def _make_step(plan, acct, loss_fn, expected_batch_size, ema_decay, fidelity_diagnostics):
-    begin_step = begin_step_fn(plan, loss_fn)
-    clipped_sum = clipped_sum_fn(plan, loss_fn)
+    begin_step = begin_step_fn(plan)
+    clipped_sum = clipped_sum_fn(plan)
     batch_stages = _batch_stages_fn(plan, acct, expected_batch_size)
 
     def step_fn(state: TrainState, batch: dict):
@@ -95,7 +96,7 @@ def _make_step(plan, acct, loss_fn, expected_batch_size, ema_decay, fidelity_dia
         updates, states, released, ctx = batch_stages(clipped, state, states, key,
                                                       batch.get(STAGE_INPUTS, {}))
         for j, stage in enumerate(plan.stages):             # masked coordinates do not move
-            if Mask.UPDATES in stage.public_mask:
+            if Mask.UPDATES in stage.privacy.public_mask:
                 updates = apply_mask(updates, states[j]["mask"])
         params = optax.apply_updates(state.params, updates)
         ema = state.ema_params if ema_decay == 0 else optax.ema(ema_decay).update(
@@ -108,18 +109,18 @@ def _make_step(plan, acct, loss_fn, expected_batch_size, ema_decay, fidelity_dia
     return step_fn
 
 
-def begin_step_fn(plan: Plan, loss_fn: Callable):
+def begin_step_fn(plan: Plan):
     """Per-example stages' begin_step, once per step, from public inputs only (params, public
     data, the step key): GEP's basis, DP-SSGD's drop mask, RS's epoch mask."""
     # Its key: position `padded` in the stage's per-example key space, which no example uses.
-    padded = plan.info.padded_batch_size
+    padded = plan.run_facts.get("padded_batch_size")
 
     def begin_step(state: TrainState, step_key) -> list:
         states = list(state.stage_states)
         for i in range(plan.num_per_example):
-            fn = plan.fns[i].begin_step
+            fn = plan.fns[i].hooks.begin_step
             if fn is not None:
-                ctx = StepContext(params=state.params, step=state.step, loss_fn=loss_fn,
+                ctx = StepContext(params=state.params, step=state.step,
                                   key=jax.random.fold_in(jax.random.fold_in(step_key, i), padded))
                 states[i] = fn(states[i], ctx)
         return states
@@ -132,6 +133,8 @@ def _batch_stages_fn(plan: Plan, acct: Accounting, expected_batch_size: float):
     the public post-processing of earlier stages), released stages, the division by the
     EXPECTED batch size, the optimizer. Returns (updates, states, released, release ctx)."""
     first = plan.num_per_example
+    # 0 for the non-private baseline (sigma 0), where the sensitivity may be infinite (no clip)
+    noise_stddev = 0.0 if acct.noise_multiplier == 0 else acct.noise_multiplier * plan.sensitivity
 
     def batch_stages(value, state: TrainState, states: list, step_key, host_inputs):
         released = release_ctx = None
@@ -143,8 +146,8 @@ def _batch_stages_fn(plan: Plan, acct: Accounting, expected_batch_size: float):
                 released = value
             ctx = StepContext(params=state.params, step=state.step,
                               key=jax.random.fold_in(step_key, i),
-                              noise_multiplier=acct.noise_multiplier,
-                              sensitivity=plan.sensitivity, host_inputs=host_inputs.get(str(i)))
+                              noise_stddev=noise_stddev,
+                              host_inputs=host_inputs.get(str(i)))
             value, states[i] = plan.fns[i].apply(value, state.stage_states[i], ctx)
             if stage.is_release:
                 release_ctx = ctx
@@ -188,14 +191,14 @@ def _fidelity(plan: Plan, clean, released, states, ctx, expected_batch_size: flo
 
 
 def one_off_release(plan: Plan, acct: Accounting, loss_fn, i: int, params, key, batch):
-    """Stage i's one-off release: each example's declared value (release_value of its
+    """Stage i's one-off release: each example's declared value (OneOffRelease.value of its
     gradient, e.g. DP-SNIP's connection scores) clipped, the masked sum, Gaussian noise."""
-    release, fns = plan.stages[i].one_off_release, plan.fns[i]
+    release = plan.stages[i].privacy.one_off_release
 
     def per_example(example, position):
         del position
         grads = jax.grad(loss_fn)(params, example["image"], example["label"])
-        value = clip_to_l2(fns.release_value(params, grads), release.l2_bound)
+        value = clip_to_l2(release.value(params, grads), release.l2_bound)
         return zero_if_nonfinite(value)[0]  # a non-finite value is zeroed, as in the step
 
     total = masked_sum(per_example, batch)
@@ -208,7 +211,7 @@ def _make_init_state(plan: Plan, acct: Accounting, loss_fn: Callable, ema_decay:
         states = []
         for i, (stage, fns) in enumerate(zip(plan.stages, plan.fns)):
             stage_key = jax.random.fold_in(init_root, i)
-            if stage.one_off_release is None:
+            if stage.privacy.one_off_release is None:
                 states.append(fns.init(params, stage_key))
                 continue
             if release_batch is None:
@@ -218,9 +221,9 @@ def _make_init_state(plan: Plan, acct: Accounting, loss_fn: Callable, ema_decay:
             release_key = jax.random.fold_in(jax.random.fold_in(key, _RELEASE_DOMAIN), i)
             released = one_off_release(plan, acct, loss_fn, i, params, release_key,
                                         release_batch)
-            states.append(fns.init_from_release(params, released, stage_key))
+            states.append(stage.privacy.one_off_release.init(params, released, stage_key))
         for stage, state in zip(plan.stages, states):
-            if Mask.PARAMS in stage.public_mask:  # e.g. pre-pruning zeroes its weights once
+            if Mask.PARAMS in stage.privacy.public_mask:  # e.g. pre-pruning zeroes its weights once
                 params = apply_mask(params, state["mask"])
         return TrainState(params=params, stage_states=tuple(states),
                           ema_params=optax.ema(ema_decay).init(params) if ema_decay > 0 else (),

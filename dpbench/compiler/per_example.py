@@ -79,7 +79,7 @@ def _augmented_copies(grad_stage, step_key, images, labels, positions):
     return (augmented.reshape((-1,) + images.shape[1:]), jnp.repeat(labels, copies), copies)
 
 
-def _bookkeeping_sum_fn(plan: Plan, loss_fn: Callable):
+def _bookkeeping_sum_fn(plan: Plan):
     """The book-keeping strategy's clipped sum (bookkeeping.clipped_sum per micro-batch, empty
     micro-batches skipped; augmented copies drawn as the gradient stage draws them). Stages
     between the gradient and the clip enter as the product of their public masks when all are
@@ -88,7 +88,8 @@ def _bookkeeping_sum_fn(plan: Plan, loss_fn: Callable):
     clip_index = plan.validated.clip_index
     middle = range(1, clip_index)
     use_masks = bookkeeping.masks_only(plan.stages, clip_index)
-    elementwise = all(plan.stages[i].elementwise for i in middle)
+    scalar_maps = [plan.fns[i].hooks.elementwise for i in middle]
+    elementwise = all(f is not None for f in scalar_maps)
 
     def clipped_sum(params, states, step, step_key, batch):
         masks = None
@@ -96,11 +97,14 @@ def _bookkeeping_sum_fn(plan: Plan, loss_fn: Callable):
             masks = states[i]["mask"] if masks is None else apply_mask(masks, states[i]["mask"])
 
         def transform_at(positions):
+            if elementwise:  # the stages' scalar maps, on any layout of the coordinates
+                return lambda tree: jax.tree.map(lambda x: _compose(scalar_maps, x), tree)
+
             def one(value, position):
                 for i in middle:
-                    ctx = StepContext(params=params, step=step, loss_fn=loss_fn, key=jax.random.
-                                      fold_in(jax.random.fold_in(step_key, i), position))
-                    value = plan.fns[i].apply(value, states[i], ctx)
+                    ctx = StepContext(params=params, step=step, key=jax.random.fold_in(
+                        jax.random.fold_in(step_key, i), position))
+                    value = plan.fns[i].apply(value, states[i], ctx)[0]
                 return value
             return lambda tree: jax.vmap(one)(tree, positions)
 
@@ -109,12 +113,19 @@ def _bookkeeping_sum_fn(plan: Plan, loss_fn: Callable):
             images, labels, copies = _augmented_copies(plan.stages[0], step_key, images,
                                                        labels, positions)
             return bookkeeping.clipped_sum(plan.model, plan.taps, params, images, labels, mask,
-                                           plan.stages[clip_index].l2_bound, masks, transform,
+                                           plan.stages[clip_index].privacy.l2_bound, masks,
+                                           transform,
                                            elementwise, copies)
 
         return _sum_over_micro_batches(micro, batch)
 
     return clipped_sum
+
+
+def _compose(scalar_maps, x):
+    for f in scalar_maps:
+        x = f(x)
+    return x
 
 
 def _sum_over_micro_batches(micro: Callable, batch: dict):
@@ -134,16 +145,16 @@ def _sum_over_micro_batches(micro: Callable, batch: dict):
 
 
 def _layer_clip_sum_fn(plan: Plan):
-    """The clip stage's own book-keeping form (``StageFns.layer_clip``, GEP): per micro-batch,
+    """The clip stage's own book-keeping form (``Hooks.layer_clip``, GEP): per micro-batch,
     every example's layer gradients from one batched backward pass, clipped and summed by the
     stage's contractions; an example whose loss or value is not finite is left out and counted,
     as the materialized strategy zeroes and counts it. Then the stage's ``finish_sum``."""
     clip_index = plan.validated.clip_index
-    fns, layer_grads = plan.fns[clip_index], plan.info.layer_grads
+    fns, layer_grads = plan.fns[clip_index], plan.run_facts.get("layer_grads")
 
     def clipped_sum(params, states, step, step_key, batch):
         del step, step_key  # the layer form reads no key (checked: same sum as vmapped apply)
-        clip = fns.layer_clip(states[clip_index])               # once per step
+        clip = fns.hooks.layer_clip(states[clip_index])               # once per step
 
         def micro(images, labels, mask, positions):
             del positions
@@ -155,25 +166,25 @@ def _layer_clip_sum_fn(plan: Plan):
                            "nonfinite": jnp.sum(mask & ~keep).astype(jnp.float32)}
 
         total, aux = _sum_over_micro_batches(micro, batch)
-        if fns.finish_sum is not None:
-            total = fns.finish_sum(total, states[clip_index])
+        if fns.hooks.finish_sum is not None:
+            total = fns.hooks.finish_sum(total, states[clip_index])
         return total, aux
 
     return clipped_sum
 
 
-def clipped_sum_fn(plan: Plan, loss_fn: Callable):
+def clipped_sum_fn(plan: Plan):
     """(params, states, step, step_key, batch) -> (sum of clipped per-example values,
     {"loss": sum of finite losses, "nonfinite": count}) over the batch's real examples."""
     if plan.strategy == "bookkeeping":
-        if plan.fns[plan.validated.clip_index].layer_clip is not None:
+        if plan.fns[plan.validated.clip_index].hooks.layer_clip is not None:
             return _layer_clip_sum_fn(plan)
-        return _bookkeeping_sum_fn(plan, loss_fn)
+        return _bookkeeping_sum_fn(plan)
     clip_index = plan.validated.clip_index
     # A stage between the gradient and the clip that is not a public mask (Nasr's ternary) may
     # map a non-finite gradient to finite values, and a loss can be finite where the gradient
     # is not: then the gradient's own finiteness is checked too (a mask keeps a NaN a NaN).
-    check_gradient = any(Mask.PER_EXAMPLE not in s.public_mask
+    check_gradient = any(Mask.PER_EXAMPLE not in s.privacy.public_mask
                          for s in plan.stages[1:clip_index])
 
     def clipped_sum(params, states, step, step_key, batch):
@@ -182,15 +193,16 @@ def clipped_sum_fn(plan: Plan, loss_fn: Callable):
             nonfinite = jnp.zeros((), jnp.float32)
             gradient_finite = jnp.asarray(True)
             for i in range(plan.num_per_example):
-                ctx = StepContext(params=params, step=step, loss_fn=loss_fn, key=jax.random.
-                                  fold_in(jax.random.fold_in(step_key, i), position))
+                ctx = StepContext(params=params, step=step, key=jax.random.fold_in(
+                    jax.random.fold_in(step_key, i), position))
+                # One apply shape, (value, state): a per-example stage's state is read-only,
+                # and the gradient stage returns its per-example record ({"loss"}) there.
+                value, returned = plan.fns[i].apply(value, states[i], ctx)
                 if plan.stages[i].kind_in == Kind.EXAMPLE:
-                    value, aux = plan.fns[i].apply(value, states[i], ctx)
+                    aux = returned
                     if check_gradient:
                         gradient_finite = jnp.isfinite(sum(
                             jnp.sum(jnp.square(leaf)) for leaf in jax.tree.leaves(value)))
-                else:
-                    value = plan.fns[i].apply(value, states[i], ctx)
                 if i == clip_index:
                     # A non-finite input leaves the clip non-finite (NaN norm, or inf * 0): such
                     # a value would turn the sum into NaN. Zero has norm 0, so replacing it keeps
@@ -206,8 +218,8 @@ def clipped_sum_fn(plan: Plan, loss_fn: Callable):
 
         total, aux = masked_sum(per_example, batch)
         for i in range(plan.num_per_example):  # public linear maps of the sum (GEP's residual)
-            if plan.fns[i].finish_sum is not None:
-                total = plan.fns[i].finish_sum(total, states[i])
+            if plan.fns[i].hooks.finish_sum is not None:
+                total = plan.fns[i].hooks.finish_sum(total, states[i])
         return total, aux
 
     return clipped_sum

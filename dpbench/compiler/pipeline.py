@@ -11,9 +11,11 @@ import numpy as np
 from dp_accounting import dp_event
 from jax.sharding import Mesh
 
-from dpbench import accounting, sharding
-from dpbench.stages.base import Stage, StageInfo
+from dpbench import sharding
+from dpbench.accounting import Budget
+from dpbench.stages.base import Stage
 from dpbench.compiler.bind import bind
+from dpbench.compiler.facts import RunFacts, RunInputs
 from dpbench.compiler.plan import Plan
 from dpbench.compiler.ledger import Accounting, account
 from dpbench.compiler.lower import STAGE_INPUTS, Lowered, lower
@@ -62,12 +64,12 @@ class CompiledPipeline:
         return self.accounting.total_steps
 
     @property
-    def budget(self) -> accounting.Budget:
+    def budget(self) -> Budget:
         return self.accounting.budget
 
     @property
     def needs_release_batch(self) -> bool:
-        return any(s.one_off_release is not None for s in self.plan.stages)
+        return any(s.privacy.one_off_release is not None for s in self.plan.stages)
 
     def ledger(self, steps: Optional[int] = None) -> list:
         return self.accounting.ledger(steps)
@@ -85,9 +87,9 @@ class CompiledPipeline:
         """The public randomness stages draw on the host for ``step`` (GIP's exact Mallows
         draws), keyed by stage position; a function of (host_seed, stream, stage, step) only,
         so a resumed run redraws exactly what it would have drawn."""
-        return {str(i): f.host_inputs(int(step), np.random.default_rng(
+        return {str(i): f.hooks.host_inputs(int(step), np.random.default_rng(
                     [self.host_seed, int(stream), i, int(step)]))
-                for i, f in enumerate(self.plan.fns) if f.host_inputs is not None}
+                for i, f in enumerate(self.plan.fns) if f.hooks.host_inputs is not None}
 
     def host_batch(self, images, labels, mask, step: Optional[int], stream: int = 0) -> dict:
         """The step's whole host input: the sampled examples laid out in micro-batches
@@ -124,74 +126,51 @@ def _batch_shapes(plan: Plan, micro_steps: int, micro_batch_size: int, example_s
     shapes = {"image": jax.ShapeDtypeStruct(shape + tuple(example_shape), jnp.float32),
               "label": jax.ShapeDtypeStruct(shape, jnp.int32),
               "mask": jax.ShapeDtypeStruct(shape, jnp.bool_)}
-    probe = {str(i): f.host_inputs(0, np.random.default_rng(0))
-             for i, f in enumerate(plan.fns) if f.host_inputs is not None}
+    probe = {str(i): f.hooks.host_inputs(0, np.random.default_rng(0))
+             for i, f in enumerate(plan.fns) if f.hooks.host_inputs is not None}
     if probe:
         shapes[STAGE_INPUTS] = jax.tree.map(
             lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype), probe)
     return shapes
 
 
-def _run_facts(sampler, budget, total_steps, steps_per_epoch, noise_multiplier, param_shapes,
-               public_images, num_classes, linear_apply, example_shape) -> StageInfo:
-    return StageInfo(total_steps=total_steps, steps_per_epoch=steps_per_epoch,
-                     expected_batch_size=sampler.expected_batch_size,
-                     dataset_size=sampler.dataset_size, param_shapes=param_shapes,
-                     target_epsilon=budget.epsilon if noise_multiplier is None else None,
-                     public_images=public_images, num_classes=num_classes,
-                     linear_apply=linear_apply, example_shape=tuple(example_shape),
-                     padded_batch_size=sampler.padded_batch_size)
-
-
-def account_only(stages: Sequence[Stage], *, init_params: Callable, example_shape: tuple,
-                 sampler, budget: accounting.Budget, total_steps: int, steps_per_epoch: int,
-                 noise_multiplier: Optional[float] = None, public_images=None,
-                 num_classes: int = 0, linear_apply: Optional[Callable] = None,
-                 model=None) -> Accounting:
+def account_only(stages: Sequence[Stage], inputs: RunInputs) -> Accounting:
     """The run's accounting (ledger, calibrated sigma, its DpEvent) exactly as
-    :func:`compile_pipeline` computes it for the same arguments, without lowering, tracing or
+    :func:`compile_pipeline` computes it for the same inputs, without lowering, tracing or
     jitting the step: the rules, bind (the model's parameter shapes by eval_shape) and account.
     What a sweep's planning reads (each support point's event)."""
-    key_shapes = jax.eval_shape(lambda: jax.random.key(0))
-    info = _run_facts(sampler, budget, total_steps, steps_per_epoch, noise_multiplier,
-                      jax.eval_shape(init_params, key_shapes), public_images, num_classes,
-                      linear_apply, example_shape)
-    return account(bind(stages, info, model), sampler, budget, total_steps, noise_multiplier)
+    return account(bind(stages, RunFacts(inputs)), inputs.sampler, inputs.budget,
+                   inputs.total_steps, inputs.noise_multiplier)
 
 
-def compile_pipeline(stages: Sequence[Stage], *, loss_fn: Callable, init_params: Callable,
-                     example_shape: tuple, sampler, budget: accounting.Budget, total_steps: int,
-                     steps_per_epoch: int, micro_batch_size: int, mesh: Optional[Mesh] = None,
-                     ema_decay: float = 0.0, noise_multiplier: Optional[float] = None,
-                     public_images=None, num_classes: int = 0,
-                     linear_apply: Optional[Callable] = None,
-                     fidelity_diagnostics: bool = False, host_seed: int = 0,
-                     model=None) -> CompiledPipeline:
+def compile_pipeline(stages: Sequence[Stage], inputs: RunInputs, *, micro_batch_size: int,
+                     mesh: Optional[Mesh] = None, ema_decay: float = 0.0,
+                     fidelity_diagnostics: bool = False, host_seed: int = 0
+                     ) -> CompiledPipeline:
     """bind -> account -> lower, then shape checks (jax.eval_shape) and jit on the mesh.
 
-    ``noise_multiplier=None`` calibrates sigma to the budget (the normal path); a given value
-    is used as is. ``fidelity_diagnostics`` adds the non-private metrics ``fidelity_cosine``
-    and ``noise_to_signal``. ``host_seed`` seeds the stages' public host randomness.
-    ``model`` (the flax module behind ``loss_fn``, a models.cross_entropy_loss) lets the
-    compiler pick book-keeping where it applies.
+    ``inputs`` (:class:`RunInputs`) is what the run is compiled from; the stages read its run
+    facts (compiler/facts.py). ``inputs.noise_multiplier=None`` calibrates sigma to the budget
+    (the normal path); a given value is used as is. ``fidelity_diagnostics`` adds the
+    non-private metrics ``fidelity_cosine`` and ``noise_to_signal``. ``host_seed`` seeds the
+    stages' public host randomness. ``inputs.model`` (the flax module behind ``loss_fn``, a
+    models.cross_entropy_loss) lets the compiler pick book-keeping where it applies.
     """
     mesh = sharding.make_mesh() if mesh is None else mesh
     sharding.limit_lapack_threads()
     validated = validate_pipeline(stages)  # rule errors before any size error
-    micro_steps = _check_sizes(total_steps, ema_decay, micro_batch_size, mesh,
+    sampler = inputs.sampler
+    micro_steps = _check_sizes(inputs.total_steps, ema_decay, micro_batch_size, mesh,
                                sampler.padded_batch_size)
-    key_shapes = jax.eval_shape(lambda: jax.random.key(0))
-    param_shapes = jax.eval_shape(init_params, key_shapes)
-    info = _run_facts(sampler, budget, total_steps, steps_per_epoch, noise_multiplier,
-                      param_shapes, public_images, num_classes, linear_apply, example_shape)
-    plan = bind(stages, info, model, validated)
-    acct = account(plan, sampler, budget, total_steps, noise_multiplier)
-    lowered = lower(plan, acct, loss_fn=loss_fn, expected_batch_size=sampler.expected_batch_size,
-                    ema_decay=ema_decay, fidelity_diagnostics=fidelity_diagnostics)
-    batch_shapes = _batch_shapes(plan, micro_steps, micro_batch_size, example_shape)
+    facts = RunFacts(inputs)
+    plan = bind(stages, facts, validated)
+    acct = account(plan, sampler, inputs.budget, inputs.total_steps, inputs.noise_multiplier)
+    lowered = lower(plan, acct, ema_decay=ema_decay, fidelity_diagnostics=fidelity_diagnostics)
+    batch_shapes = _batch_shapes(plan, micro_steps, micro_batch_size, inputs.example_shape)
     examples_only = {k: v for k, v in batch_shapes.items() if k != STAGE_INPUTS}
-    needs_release = any(s.one_off_release is not None for s in plan.stages)
-    state_shapes = jax.eval_shape(lowered.init_state, param_shapes, key_shapes,
+    needs_release = any(s.privacy.one_off_release is not None for s in plan.stages)
+    key_shapes = jax.eval_shape(lambda: jax.random.key(0))
+    state_shapes = jax.eval_shape(lowered.init_state, facts.get("param_shapes"), key_shapes,
                                   examples_only if needs_release else None)
     # Shape and dtype errors surface here, before any device memory is allocated.
     jax.eval_shape(lowered.step, state_shapes, batch_shapes)

@@ -7,7 +7,7 @@ import dataclasses
 from typing import Any, Optional
 
 from dpbench.compiler.rules import ValidatedPipeline
-from dpbench.stages.base import Kind, StageInfo
+from dpbench.stages.base import Kind
 
 
 @dataclasses.dataclass(frozen=True)
@@ -15,9 +15,9 @@ class Plan:
     """A validated pipeline bound to one run: declarations, step functions, run facts."""
 
     stages: tuple          # the declarations, exactly as validated
-    fns: tuple             # StageFns per stage, from make(info)
+    fns: tuple             # StageFns per stage, from make(facts)
     validated: ValidatedPipeline
-    info: StageInfo
+    run_facts: Any         # compiler.facts.RunFacts: the run's public facts
     model: Any = None      # the flax model, when the caller gives it (book-keeping needs it)
     taps: Optional[tuple] = None  # its tap layers (taps.discover_taps), if all params
     strategy: str = "materialized"  # per-example strategy: "materialized" or "bookkeeping"
@@ -35,5 +35,5 @@ class Plan:
 
     def facts(self) -> list:
         """Per stage: its name, the factory's options and the run-derived public facts."""
-        return [dict(name=s.name, **s.options, **f.facts) for s, f in zip(self.stages,
-                                                                            self.fns)]
+        return [dict(name=s.name, **s.options, **f.derived) for s, f in zip(self.stages,
+                                                                              self.fns)]

@@ -53,27 +53,29 @@ def _check_bounded_transform(where: str, stage: Stage) -> float:
     the private aggregate. Returns its Lipschitz factor."""
     if stage.kind_out != stage.kind_in:
         raise PipelineError(f"{where} maps {stage.kind_in.value} to {stage.kind_out.value}; "
-                            "only a release may do that")
-    if stage.lipschitz is None or not stage.lipschitz >= 0:
+                            "only a release (aggregate -> released) may change the kind")
+    lipschitz = stage.privacy.lipschitz
+    if lipschitz is None or not lipschitz >= 0:
         raise PipelineError(
             f"{where} transforms {stage.kind_in.value} values without declaring its L2 "
             "Lipschitz factor, so the sensitivity of the release is unknown; declare "
-            "lipschitz= in its Stage")
-    if stage.kind_in == Kind.AGGREGATE and stage.cost is None and stage.reads_private:
+            "Privacy(lipschitz=...) in its Stage")
+    if stage.kind_in == Kind.AGGREGATE and stage.privacy.cost is None:
         raise PipelineError(
             f"{where} reads the private aggregate before the release but declares no DP "
-            "cost; data-dependent selection must be an accounted mechanism (declare cost=, "
-            "or reads_private=False if its output ignores the private values)")
-    return float(stage.lipschitz)
+            "cost; data-dependent selection must be an accounted mechanism (declare "
+            "Privacy(cost=...), returning dp_accounting.NoOpDpEvent() if its output ignores "
+            "the private values)")
+    return float(lipschitz)
 
 
 def _check_one_off(stages: tuple) -> None:
-    declared = [(i, s) for i, s in enumerate(stages) if s.one_off_release is not None]
+    declared = [(i, s) for i, s in enumerate(stages) if s.privacy.one_off_release is not None]
     if len(declared) > 1:
         raise PipelineError(f"{describe_stage(*declared[1])}: only one stage may release private "
                             "data before training")
     for i, stage in declared:
-        release = stage.one_off_release
+        release = stage.privacy.one_off_release
         if not (release.l2_bound > 0 and math.isfinite(release.l2_bound)
                 and 0 < release.epsilon_fraction < 1):
             raise PipelineError(f"{describe_stage(i, stage)} declares a one-off release without a "
@@ -88,7 +90,7 @@ def validate_pipeline(stages: Sequence[Stage]) -> ValidatedPipeline:
     the optimizer); exactly one clip (PER_EXAMPLE -> BOUNDED, declared l2_bound);
     BOUNDED/AGGREGATE transforms declare a Lipschitz factor; stages that read the aggregate
     without releasing it declare a DP cost; at most one one-off release; at least one Gaussian
-    release; the last stage produces UPDATES.
+    release (a stage mapping AGGREGATE to RELEASED); the last stage produces UPDATES.
     """
     stages = tuple(stages)
     if not stages:
@@ -109,18 +111,16 @@ def validate_pipeline(stages: Sequence[Stage]) -> ValidatedPipeline:
             current = Kind.AGGREGATE  # the compiler's masked sum
         _check_transition(i, stage, current)
         if stage.kind_in == Kind.PER_EXAMPLE and stage.kind_out == Kind.BOUNDED:
-            if stage.l2_bound is None or not stage.l2_bound > 0:
+            bound = stage.privacy.l2_bound
+            if bound is None or not bound > 0:
                 raise PipelineError(f"{where} turns per-example values into bounded ones but "
                                     "declares no positive l2_bound")
             if clip_index is not None:
                 raise PipelineError(f"{where} is a second clip; a pipeline has exactly one")
-            clip_index, sensitivity = i, float(stage.l2_bound)
+            clip_index, sensitivity = i, float(bound)
         elif stage.kind_in in (Kind.BOUNDED, Kind.AGGREGATE) and not stage.is_release:
             sensitivity *= _check_bounded_transform(where, stage)
         if stage.is_release:
-            if stage.kind_in != Kind.AGGREGATE or stage.kind_out != Kind.RELEASED:
-                raise PipelineError(f"{where} is a release but does not map aggregate to "
-                                    "released")
             releases.append(i)
         current = stage.kind_out
     if clip_index is None:

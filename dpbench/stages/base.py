@@ -2,11 +2,11 @@
 
 A stage is built by a factory registered with :func:`register_stage` (which registers it with
 gin), so a pipeline's gin file names it as ``@clip.global_l2()``. The factory validates its
-arguments and returns a :class:`Stage`: the DECLARATION the compiler validates (kinds, L2 bound,
-Lipschitz factor, parts, cost, what it reads, where its public mask applies) and ``make(info)``,
-which the compiler calls with the run's public facts and which returns the stage's pure step
-functions (:class:`StageFns`, optax-like). ``make`` returns functions only, so nothing it does
-can change what was declared and validated.
+arguments and returns a :class:`Stage`: its kinds, its :class:`Privacy` DECLARATION (L2 bound,
+Lipschitz factor, parts, cost, one-off release, where its public mask applies), the run facts
+it ``needs``, and ``make(facts)``, which the compiler calls with those public run facts and
+which returns the stage's pure step functions (:class:`StageFns`, optax-like). ``make``
+returns functions only, so nothing it does can change what was declared and validated.
 """
 
 from __future__ import annotations
@@ -53,70 +53,78 @@ def apply_mask(tree, mask):
     return jax.tree.map(jnp.multiply, tree, mask)
 
 
-class StageInfo(NamedTuple):
-    """Public, run-level facts a stage may use when it is made (all known before training)."""
-
-    total_steps: int
-    steps_per_epoch: int
-    expected_batch_size: float
-    dataset_size: int
-    param_shapes: Any  # pytree of jax.ShapeDtypeStruct
-    target_epsilon: Optional[float] = None  # the run's target; None when sigma is given
-    public_images: Any = None  # the dataset's declared public split (never private data)
-    num_classes: int = 0
-    linear_apply: Optional[Callable] = None  # the model with identity activations (public)
-    example_shape: tuple = ()
-    padded_batch_size: int = 0  # the sampler's static batch size (examples + padding)
-    # (params, images, labels, mask) -> ({tap path: {"bias": (b, p), "kernel": (b, p, d)}},
-    # losses): every example's gradient of models.logits_loss from ONE batched backward pass,
-    # each kernel outputs-first; None unless every parameter is a matmul layer's
-    # (compiler/bookkeeping.py). For ``StageFns.layer_clip`` and public anchor gradients.
-    layer_grads: Optional[Callable] = None
-
-
 class StepContext(NamedTuple):
     """What a stage's functions may read inside the step. Everything here is public or released.
 
     ``key`` is this stage's own key for this step (and, for per-example stages, this example);
-    ``noise_multiplier`` and ``sensitivity`` are filled in by the compiler for release stages;
-    ``host_inputs`` is this stage's public host randomness for this step (``host_inputs``).
+    ``noise_stddev`` is, for the stages after the clip, the stddev of the Gaussian noise the
+    release adds (the compiler's calibrated sigma times the pipeline's L2 sensitivity; 0 for the
+    non-private baseline): the release adds it, a denoiser may read it; ``host_inputs`` is this stage's public host randomness for this step
+    (``Hooks.host_inputs``).
     """
 
     params: Any
     step: jax.Array
     key: jax.Array
-    loss_fn: Optional[Callable] = None
-    noise_multiplier: float = 0.0
-    sensitivity: float = 0.0
+    noise_stddev: float = 0.0
     host_inputs: Any = None
 
 
 class OneOffRelease(NamedTuple):
     """Declares ONE accounted Gaussian release of private data before training (DP-SNIP): each
-    example's value (``StageFns.release_value``) clipped to ``l2_bound``, summed over a batch of
-    the run's own sampler, noised so that it alone spends ``epsilon_fraction`` of epsilon."""
+    example's ``value(params, grad)`` clipped to ``l2_bound``, summed over a batch of the run's
+    own sampler, noised so that it alone spends ``epsilon_fraction`` of epsilon; the stage's
+    initial state is then ``init(params, released_sum, key)``."""
 
     l2_bound: float
     epsilon_fraction: float
+    value: Callable
+    init: Callable
     released: str = "the clipped per-example gradient sum"  # what it releases, in words
+
+
+class Privacy(NamedTuple):
+    """A stage's privacy declaration: what the compiler validates and accounts, stated once.
+
+    l2_bound: for a clip stage (PER_EXAMPLE -> BOUNDED): every output part has L2 norm <= it.
+    parts: for a clip stage, how many separately bounded parts its output has, each of L2 norm
+      <= l2_bound and released with the same sigma (GEP: embedding + residual = 2); a step then
+      costs one Gaussian with multiplier sigma / sqrt(parts).
+    lipschitz: for a BOUNDED -> BOUNDED or AGGREGATE -> AGGREGATE stage: its L2 Lipschitz
+      factor (a public mask is 1). ``None`` means unknown, which the compiler rejects.
+    cost: for an AGGREGATE -> AGGREGATE stage (it sees the private sum before the release):
+      ``cost(facts) -> dp_accounting.DpEvent``, its privacy cost per step;
+      ``dp_accounting.NoOpDpEvent()`` states that its output ignores the private values
+      (random-k), which then adds no ledger line.
+    one_off_release: a :class:`OneOffRelease` when the stage's initial state needs one
+      accounted release of private data before training (DP-SNIP).
+    public_mask: where the compiler applies the stage's public ``state["mask"]``
+      (:class:`Mask` members).
+
+    A stage is a release (Gaussian noise of stddev ``ctx.noise_stddev``) exactly when it maps
+    AGGREGATE to RELEASED: that kind change is its declaration.
+    """
+
+    l2_bound: Optional[float] = None
+    parts: int = 1
+    lipschitz: Optional[float] = None
+    cost: Optional[Callable] = None
+    one_off_release: Optional[OneOffRelease] = None
+    public_mask: frozenset = frozenset()
 
 
 def _no_state(params, key):  # noqa: ARG001
     return ()
 
 
-class StageFns(NamedTuple):
-    """A stage's pure step functions, made by ``Stage.make(info)``.
+class Hooks(NamedTuple):
+    """A stage's optional step functions; the compiler calls each where its doc says.
 
-    apply: ``apply(value, state, ctx) -> value`` for per-example kinds (the compiler vmaps it;
-      state is read-only there; the first stage returns ``(value, aux)``),
-      ``apply(value, state, ctx) -> (value, new_state)`` otherwise.
-    init: ``init(params, key) -> state``; the state is public (never private data).
     begin_step: ``begin_step(state, ctx) -> state``, once per step before the batch, from public
       inputs only (params, public data, the step key): GEP's basis, DP-SSGD's drop mask.
     after_release: ``after_release(released, state, ctx) -> released`` for a stage before the
       release: public post-processing with its own public state (GEP's reconstruction). Public
-      masks need none: the compiler applies them (``Stage.public_mask``).
+      masks need none: the compiler applies them (``Privacy.public_mask``).
     finish_sum: ``finish_sum(total, state) -> total`` for a per-example stage: a PUBLIC LINEAR
       map the compiler applies to the masked sum of the per-example values, before anything
       else sees it (GEP forms its residual sum from sum c g and sum c w). By linearity the
@@ -126,31 +134,47 @@ class StageFns(NamedTuple):
       on the host, exactly (GIP's Mallows draws: float32 on the device cannot sample them to
       the precision their privacy claim needs). ``rng`` is a numpy Generator seeded by (run host
       seed, stage, step); the result reaches ``apply`` as ``ctx.host_inputs``; it never sees data.
-    release_value / init_from_release: for a stage declaring ``one_off_release``:
-      ``release_value(params, grad) -> value`` (one example's value, clipped by the compiler) and
-      ``init_from_release(params, released_sum, key) -> state``.
     layer_clip: for a clip stage right after grad.per_example, the same sum in book-keeping form:
       ``layer_clip(state) -> clip`` once per step, then per micro-batch
-      ``clip(grads, keep) -> (total, finite)`` with ``grads`` from ``StageInfo.layer_grads``:
+      ``clip(grads, keep) -> (total, finite)`` with ``grads`` from the run fact ``layer_grads``:
       ``total`` is the sum over the examples with ``keep`` of what ``apply`` returns for them
       (before ``finish_sum``), ``finite`` per example whether its value is finite; an example
       without keep or finite contributes exactly zero. The compiler uses it when the run has
       ``layer_grads`` and the gradient has no augmentation (GEP's embedding and clips as
       contractions: tests/stages/test_gep.py checks the same release both ways).
-    facts: public facts derived from the run (GIP's per-step index epsilon, GEP's basis split),
-      recorded next to the stage's options in the run record and the privacy statement.
+    elementwise: for a per-example stage whose ``apply`` is one scalar function applied to every
+      coordinate, reading no position, state or key (Nasr's ternary): that scalar function
+      (jnp arrays in and out, elementwise). The compiler may then apply it to a gradient whose
+      leaves are laid out differently (book-keeping's outputs-first kernels), since such a map
+      commutes with any reordering of the coordinates (stage_check tests it equals ``apply``).
     """
 
-    apply: Callable
-    init: Callable = _no_state
     begin_step: Optional[Callable] = None
     after_release: Optional[Callable] = None
     finish_sum: Optional[Callable] = None
     host_inputs: Optional[Callable] = None
-    release_value: Optional[Callable] = None
-    init_from_release: Optional[Callable] = None
     layer_clip: Optional[Callable] = None
-    facts: Mapping = MappingProxyType({})
+    elementwise: Optional[Callable] = None
+
+
+class StageFns(NamedTuple):
+    """A stage's pure step functions, made by ``Stage.make(facts)``.
+
+    apply: ``apply(value, state, ctx) -> (value, state)``, one shape for every stage. A batch
+      stage returns its new state. A per-example stage (the compiler vmaps it) reads its state
+      only and returns it as given; the gradient stage (EXAMPLE -> PER_EXAMPLE), which has no
+      state, returns its per-example record in that place: ``{"loss": ...}``.
+    init: ``init(params, key) -> state``; the state is public (never private data).
+    hooks: the optional step functions (:class:`Hooks`).
+    derived: public facts ``make`` derived from the run facts (GIP's per-step index epsilon,
+      GEP's basis split), recorded next to the stage's options in the run record and the
+      privacy statement.
+    """
+
+    apply: Callable
+    init: Callable = _no_state
+    hooks: Hooks = Hooks()
+    derived: Mapping = MappingProxyType({})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -160,53 +184,42 @@ class Stage:
     Attributes:
       name: the registered name (``clip.global_l2``); errors name stages by it.
       kind_in / kind_out: the kinds this stage consumes and produces.
-      make: ``make(info: StageInfo) -> StageFns``, called once by the compiler with run facts.
-      l2_bound: for a clip stage (PER_EXAMPLE -> BOUNDED): every output part has L2 norm <= it.
-      parts: for a clip stage, how many separately bounded parts its output has, each of L2
-        norm <= l2_bound and released with the same sigma (GEP: embedding + residual = 2); a
-        step then costs one Gaussian with multiplier sigma / sqrt(parts).
-      lipschitz: for a BOUNDED -> BOUNDED or AGGREGATE -> AGGREGATE stage: its L2 Lipschitz
-        factor (a public mask is 1). ``None`` means unknown, which the compiler rejects.
-      is_release: True for the stage that adds Gaussian noise of stddev
-        ``noise_multiplier * sensitivity`` (both supplied by the compiler).
-      cost: for a non-release stage that reads private values (AGGREGATE -> AGGREGATE):
-        ``cost(info) -> dp_accounting.DpEvent``, its privacy cost per step.
-      reads_private: False for an AGGREGATE stage whose output ignores the private values
-        (random-k); then it needs no ``cost``.
-      one_off_release: a :class:`OneOffRelease` when the stage's initial state needs one
-        accounted release of private data before training (DP-SNIP).
-      public_mask: where the compiler applies the stage's public ``state["mask"]``
-        (:class:`Mask` members).
-      elementwise: for a per-example stage: ``apply`` is one scalar function applied to every
-        coordinate, reading no position, state or key (Nasr's ternary); the compiler may then
-        hand it a gradient whose leaves are laid out differently (book-keeping's outputs-first
-        kernels), since such a map commutes with any reordering of the coordinates.
+      make: ``make(facts) -> StageFns``, called once by the compiler with the run facts the
+        stage names in ``needs`` (reading any other is an error that names it).
+      privacy: the stage's :class:`Privacy` declaration.
+      needs: the names of the run facts ``make`` and ``privacy.cost`` read (the compiler's
+        record of run facts, compiler/facts.py, lists them); the compiler refuses a pipeline
+        whose run lacks one, saying what to set.
       options: the factory's arguments (and facts for the privacy statement), recorded.
     """
 
     name: str
     kind_in: Kind
     kind_out: Kind
-    make: Callable[[StageInfo], StageFns]
-    l2_bound: Optional[float] = None
-    parts: int = 1
-    lipschitz: Optional[float] = None
-    is_release: bool = False
-    cost: Optional[Callable] = None
-    reads_private: bool = True
-    one_off_release: Optional[OneOffRelease] = None
-    public_mask: frozenset = frozenset()
-    elementwise: bool = False
+    make: Callable[[Any], StageFns]
+    privacy: Privacy = Privacy()
+    needs: frozenset = frozenset()
     options: dict = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self):
+        if isinstance(self.needs, str):
+            raise TypeError(f"stage {self.name!r}: needs is a set of run fact names, e.g. "
+                            f"{{{self.needs!r}}}, not a string")
+        object.__setattr__(self, "needs", frozenset(self.needs))
 
     @property
     def per_example(self) -> bool:
         return self.kind_in in (Kind.EXAMPLE, Kind.PER_EXAMPLE, Kind.BOUNDED)
 
+    @property
+    def is_release(self) -> bool:
+        """A release is the stage that maps the private aggregate to released values."""
+        return (self.kind_in, self.kind_out) == (Kind.AGGREGATE, Kind.RELEASED)
 
-def stateless(apply: Callable) -> Callable[[StageInfo], StageFns]:
+
+def stateless(apply: Callable) -> Callable[[Any], StageFns]:
     """``make`` for a stage with no state and no run facts: just its ``apply``."""
-    return lambda info: StageFns(apply=apply)
+    return lambda facts: StageFns(apply=apply)
 
 
 _REGISTERED: dict[str, Callable] = {}

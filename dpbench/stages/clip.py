@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 
 from dpbench.ops import clip_to_l2
-from dpbench.stages.base import Kind, Stage, register_stage, stateless
+from dpbench.stages.base import Kind, Privacy, Stage, register_stage, stateless
 
 
 @register_stage("clip.global_l2")
@@ -21,9 +21,9 @@ def global_l2(l2_bound: float = 1.0) -> Stage:
                          "set e.g. clip.global_l2.l2_bound = 1.0")
 
     def apply(value, state, ctx):
-        del state, ctx
-        return clip_to_l2(value, float(l2_bound))
+        del ctx
+        return clip_to_l2(value, float(l2_bound)), state
 
     return Stage(name="clip.global_l2", kind_in=Kind.PER_EXAMPLE, kind_out=Kind.BOUNDED,
-                 make=stateless(apply), l2_bound=float(l2_bound),
+                 make=stateless(apply), privacy=Privacy(l2_bound=float(l2_bound)),
                  options=dict(l2_bound=float(l2_bound)))

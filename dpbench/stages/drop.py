@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from dpbench.stages.order import float_key, smallest_mask
-from dpbench.stages.base import (Kind, Mask, Stage, StageFns, StageInfo, apply_mask,
+from dpbench.stages.base import (Hooks, Kind, Mask, Privacy, Stage, StageFns, apply_mask,
                                  register_stage)
 
 CRITERIA = ("random", "magnitude")
@@ -80,8 +80,8 @@ def gradients(rate: float = 0.5, criterion: str = "random",
         raise ValueError(f"drop.gradients.freeze_dropped must be True or False, "
                          f"got {freeze_dropped!r}")
 
-    def make(info: StageInfo) -> StageFns:
-        del info
+    def make(facts) -> StageFns:
+        del facts
 
         def init(params, key):
             return {"mask_key": key, "mask": jax.tree.map(jnp.ones_like, params)}
@@ -94,11 +94,11 @@ def gradients(rate: float = 0.5, criterion: str = "random",
 
         def apply(grads, state, ctx):
             del ctx
-            return apply_mask(grads, state["mask"])
+            return apply_mask(grads, state["mask"]), state
 
-        return StageFns(apply=apply, init=init, begin_step=begin_step)
+        return StageFns(apply=apply, init=init, hooks=Hooks(begin_step=begin_step))
 
     where = {Mask.PER_EXAMPLE, Mask.RELEASED} | ({Mask.UPDATES} if freeze_dropped else set())
     return Stage(name="drop.gradients", kind_in=Kind.PER_EXAMPLE, kind_out=Kind.PER_EXAMPLE,
-                 make=make, public_mask=frozenset(where),
+                 make=make, privacy=Privacy(public_mask=frozenset(where)),
                  options=dict(rate=rate, criterion=criterion, freeze_dropped=freeze_dropped))

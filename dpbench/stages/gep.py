@@ -14,7 +14,7 @@ sqrt(2), i.e. one Gaussian with multiplier sigma / sqrt(2), which is what the co
 (``parts = 2``). After the release: reconstruct S1 * w~ B + S2 * r~ (post-processing).
 B-GEP (``biased = True``) releases only the embedding (``parts = 1``).
 
-Where the run has ``StageInfo.layer_grads`` (a model of matmul layers, no augmentation) the
+Where the run has the run fact ``layer_grads`` (a model of matmul layers, no augmentation) the
 batch's embedding and clips run in book-keeping form (``layer_clip``, gep_layers.py) and the
 anchor gradients of one power iteration come from batched backward passes; the float32 bound
 that keeps the residual clip rigorous is in gep_numerics.py.
@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dpbench.stages.base import Kind, Stage, StageFns, StageInfo, register_stage
+from dpbench.stages.base import Hooks, Kind, Privacy, Stage, StageFns, register_stage
 from dpbench.ops import clip_to_l2
 from dpbench.stages.gep_layers import (anchor_basis_from_layers, embed_and_clip_layers,  # noqa: F401
                                        parameter_rows, tap_columns)
@@ -79,9 +79,11 @@ def power_basis(anchor_grads, key, k: int, iterations: int):
     return basis
 
 
-def anchor_basis(anchors, ctx, ks: dict, num_classes: int, iterations: int, chunk: int):
+def anchor_basis(anchors, ctx, ks: dict, num_classes: int, iterations: int, chunk: int,
+                 loss_fn):
     """Per group, an orthonormal basis (ks[g] rows) of the anchor gradients at the current
-    (public) parameters, the anchors labelled at random: public inputs only.
+    (public) parameters, the anchors labelled at random: public inputs only. ``loss_fn``:
+    the run fact (one example's loss).
 
     With one power iteration (the paper's light setting) the m x p anchor gradient matrix is
     never formed: (G_a B0^T)^T G_a = sum over chunks of (G_c B0^T)^T G_c, so each chunk of
@@ -89,10 +91,10 @@ def anchor_basis(anchors, ctx, ks: dict, num_classes: int, iterations: int, chun
     basis' cost)."""
     label_key, basis_key = jax.random.split(ctx.key)
     labels = jax.random.randint(label_key, (anchors.shape[0],), 0, num_classes)
-    anchor_grad = jax.vmap(jax.grad(ctx.loss_fn), in_axes=(None, 0, 0))
+    anchor_grad = jax.vmap(jax.grad(loss_fn), in_axes=(None, 0, 0))
     groups = sorted(ks)
     if iterations != 1:
-        grads = jax.lax.map(lambda xy: jax.grad(ctx.loss_fn)(ctx.params, *xy),
+        grads = jax.lax.map(lambda xy: jax.grad(loss_fn)(ctx.params, *xy),
                             (anchors, labels), batch_size=chunk)
         grouped = _groups(grads)
         return {g: power_basis(jax.vmap(_flat)(grouped[g]), jax.random.fold_in(basis_key, i),
@@ -180,22 +182,26 @@ def _check_options(integers: dict, bounds: dict) -> None:
                              f"got {value!r}")
 
 
-def _anchor_images(info: StageInfo, num_anchors: int):
-    if info.public_images is None or len(info.public_images) < num_anchors:
-        have = 0 if info.public_images is None else len(info.public_images)
+def _anchor_images(facts, num_anchors: int):
+    if len(facts.public_images) < num_anchors:
+        have = len(facts.public_images)
         raise ValueError(f"GEP needs {num_anchors} public anchor examples but the dataset "
                          f"declares {have}; set dataset.public_size >= {num_anchors} "
                          "(carved from train, disjoint from the private set)")
-    return np.asarray(info.public_images[:num_anchors], np.float32)
+    return np.asarray(facts.public_images[:num_anchors], np.float32)
 
 
-def _layer_kernel_shapes(info: StageInfo, grouped: dict) -> dict:
+def _layer_kernel_shapes(facts, grouped: dict) -> dict:
     """{group: kernel shape} where the book-keeping form applies (the run has layer gradients
     and every parameter group is one matmul layer: {bias, kernel}, tap path (group,)), else {}."""
-    if info.layer_grads is None or not all(isinstance(sub, dict) and set(sub) == {"bias", "kernel"}
+    if facts.layer_grads is None or not all(isinstance(sub, dict) and set(sub) == {"bias", "kernel"}
                                            for sub in grouped.values()):
         return {}
     return {g: tuple(sub["kernel"].shape) for g, sub in grouped.items()}
+
+
+# the run facts GEP reads (layer_grads may be None: then its per-example form alone runs)
+NEEDS = frozenset({"public_images", "param_shapes", "num_classes", "loss_fn", "layer_grads"})
 
 
 def _statement_note(num_anchors: int, refresh_every: int) -> str:
@@ -228,24 +234,25 @@ def embed_and_clip(num_basis: int = 200, num_anchors: int = 512, embedding_bound
                    power_iterations=power_iterations, biased=biased,
                    basis_refresh_every=basis_refresh_every)
     name = "gep.embed_and_clip"
+    part_bounds = {"embedding": embedding_bound, **({} if biased else {"residual": residual_bound})}
 
-    def make(info: StageInfo) -> StageFns:
-        anchors = _anchor_images(info, num_anchors)
-        grouped = _groups(info.param_shapes)
+    def make(facts) -> StageFns:
+        anchors = _anchor_images(facts, num_anchors)
+        grouped = _groups(facts.param_shapes)
         sizes = {g: sum(math.prod(x.shape) for x in jax.tree.leaves(sub))
                  for g, sub in grouped.items()}
         ks = basis_sizes(sizes, num_basis, num_anchors)
-        kernel_shapes = _layer_kernel_shapes(info, grouped)
+        kernel_shapes = _layer_kernel_shapes(facts, grouped)
         layered = bool(kernel_shapes)
 
         def refresh(state, ctx):
             if layered and power_iterations == 1:  # batched anchor passes (book-keeping)
                 basis = anchor_basis_from_layers(state["anchors"], ctx, ks, kernel_shapes,
-                                                 info.num_classes, anchor_chunk,
-                                                 info.layer_grads)
+                                                 facts.num_classes, anchor_chunk,
+                                                 facts.layer_grads)
             else:
-                basis = anchor_basis(state["anchors"], ctx, ks, info.num_classes,
-                                     power_iterations, anchor_chunk)
+                basis = anchor_basis(state["anchors"], ctx, ks, facts.num_classes,
+                                     power_iterations, anchor_chunk, facts.loss_fn)
             return dict(state, basis=basis, orth_error=basis_orthonormality_error(basis))
 
         def init(params, key):
@@ -269,20 +276,19 @@ def embed_and_clip(num_basis: int = 200, num_anchors: int = 512, embedding_bound
         def apply(grads, state, ctx):
             del ctx
             return embed_and_clip_one(grads, state["basis"], state["orth_error"],
-                                      embedding_bound, residual_bound, biased)
+                                      embedding_bound, residual_bound, biased), state
 
         def after_release(released, state, ctx):
             return reconstruct(released, state["basis"], ctx.params, embedding_bound,
                                residual_bound, biased)
 
-        return StageFns(apply=apply, init=init, begin_step=begin_step,
-                        finish_sum=lambda total, state: finish_residual(total, state["basis"]),
-                        after_release=after_release,
-                        layer_clip=layer_clip if layered else None,
-                        facts=dict(basis_per_group=ks, part_bounds=(
-                            {"embedding": embedding_bound} if biased else
-                            {"embedding": embedding_bound, "residual": residual_bound}),
-                            statement_note=_statement_note(num_anchors, basis_refresh_every)))
+        hooks = Hooks(begin_step=begin_step, after_release=after_release,
+                      finish_sum=lambda total, state: finish_residual(total, state["basis"]),
+                      layer_clip=layer_clip if layered else None)
+        return StageFns(apply=apply, init=init, hooks=hooks, derived=dict(
+            basis_per_group=ks, part_bounds=part_bounds,
+            statement_note=_statement_note(num_anchors, basis_refresh_every)))
 
     return Stage(name=name, kind_in=Kind.PER_EXAMPLE, kind_out=Kind.BOUNDED, make=make,
-                 l2_bound=1.0, parts=1 if biased else 2, options=options)
+                 privacy=Privacy(l2_bound=1.0, parts=1 if biased else 2), needs=NEEDS,
+                 options=options)

@@ -1,5 +1,5 @@
 """GEP in book-keeping form: the anchor basis and the batch's embedding and two clips from every
-example's layer gradients of one batched backward pass (StageInfo.layer_grads: per matmul layer
+example's layer gradients of one batched backward pass (the run fact layer_grads: per matmul layer
 a bias b x p and an outputs-first kernel b x p x d), the sums as one weighted contraction per
 layer. Same values as the per-example path (gep.embed_and_clip_one) up to float rounding."""
 
@@ -15,7 +15,7 @@ from dpbench.stages.gep_numerics import orthonormal_rows, random_start, residual
 
 def tap_columns(rows, kernel_shape: tuple):
     """A group's rows in parameter order (k x (p + d p): the bias, then the (d, p) kernel
-    row-major, as ``_flat``) -> as columns in the layout of ``StageInfo.layer_grads``: (bias
+    row-major, as ``_flat``) -> as columns in the layout of ``the run fact layer_grads``: (bias
     p x k, kernel outputs-first (p d) x k). Columns, not rows: the embedding's contraction
     then reads them as they lie (as rows, XLA's CPU dot copied the rows' transpose on every
     micro-batch: 0.65 ms each for the tanh CNN's dense layer)."""
@@ -41,7 +41,7 @@ def parameter_rows(bias_rows, kernel_rows):
 def anchor_basis_from_layers(anchors, ctx, ks: dict, kernel_shapes: dict, num_classes: int,
                              chunk: int, layer_grads):
     """``anchor_basis`` with one power iteration, the anchor gradients from ``layer_grads``
-    (one batched backward pass per chunk, StageInfo.layer_grads): the same random start and
+    (one batched backward pass per chunk, the run fact layer_grads): the same random start and
     labels, the same product sum over chunks of (G_c B0^T)^T G_c, in the kernels'
     outputs-first layout, turned back to parameter order once. Public inputs only."""
     label_key, basis_key = jax.random.split(ctx.key)
@@ -78,7 +78,7 @@ def embed_and_clip_layers(grads, keep, columns: dict, kernel_shapes: dict, eps,
                           embedding_bound: float, residual_bound: float, biased: bool):
     """``embed_and_clip_one`` for a batch in book-keeping form: (the sum over the examples with
     ``keep`` of what it returns for each, per-example finiteness). ``grads``:
-    StageInfo.layer_grads' per-example bias (b x p) and outputs-first kernel (b x p x d) per
+    the run fact layer_grads' per-example bias (b x p) and outputs-first kernel (b x p x d) per
     group; ``columns``: the basis per group as ``tap_columns``. The embedding, both norms and the
     two clip factors are per example; the sums are one weighted contraction per leaf. The
     residual bound sees the same float32 quantities as the per-example path (||v||^2 and

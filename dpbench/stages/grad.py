@@ -5,7 +5,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from dpbench.stages.base import Kind, Stage, register_stage, stateless
+from dpbench.stages.base import Kind, Stage, StageFns, register_stage
 
 AUGMENTATIONS = ("none", "crop_flip", "crop")
 
@@ -41,7 +41,8 @@ def per_example(augmult: int = 1, augmentation: str = "none", crop_padding: int 
 
     With augmentation multiplicity ``augmult`` = K > 1 (De et al. 2022), the example is augmented
     K times and the K gradients are averaged before any clipping, so the output is still a
-    function of this one example only. Returns ``(grads, {'loss': loss})``.
+    function of this one example only. Returns ``(grads, {'loss': loss})``: the gradient stage
+    has no state, and returns its per-example record in its place.
     """
     if not isinstance(augmult, int) or augmult < 1:
         raise ValueError(f"grad.per_example.augmult must be an integer >= 1, got {augmult!r}")
@@ -52,9 +53,11 @@ def per_example(augmult: int = 1, augmentation: str = "none", crop_padding: int 
         raise ValueError("grad.per_example.augmult > 1 needs an augmentation "
                          "(set grad.per_example.augmentation = 'crop_flip' or 'crop')")
 
-    def apply(example, state, ctx):
-        del state
-        value_and_grad = jax.value_and_grad(ctx.loss_fn)
+    def make(facts):
+        return StageFns(apply=lambda example, state, ctx: apply(facts.loss_fn, example, ctx))
+
+    def apply(loss_fn, example, ctx):
+        value_and_grad = jax.value_and_grad(loss_fn)
         if augmult == 1 and augmentation == "none":
             loss, grads = value_and_grad(ctx.params, example["image"], example["label"])
             return grads, {"loss": loss}
@@ -65,5 +68,6 @@ def per_example(augmult: int = 1, augmentation: str = "none", crop_padding: int 
         return jax.tree.map(lambda g: g.mean(axis=0), grads), {"loss": losses.mean()}
 
     return Stage(name="grad.per_example", kind_in=Kind.EXAMPLE, kind_out=Kind.PER_EXAMPLE,
-                 make=stateless(apply), options=dict(augmult=augmult, augmentation=augmentation,
-                                           crop_padding=crop_padding))
+                 make=make, needs={"loss_fn"},
+                 options=dict(augmult=augmult, augmentation=augmentation,
+                              crop_padding=crop_padding))

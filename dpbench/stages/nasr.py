@@ -19,7 +19,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from dpbench.stages.base import Kind, Stage, register_stage, stateless
+from dpbench.stages.base import Hooks, Kind, Stage, StageFns, register_stage, stateless
 
 
 def ternary(x, threshold):
@@ -32,12 +32,16 @@ def discretize(threshold: float = 0.001) -> Stage:
     if not threshold >= 0:
         raise ValueError(f"discretize.ternary.threshold must be >= 0, got {threshold!r}")
 
+    def scalar(g):
+        return ternary(g, threshold)
+
     def apply(grads, state, ctx):
-        del state, ctx
-        return jax.tree.map(lambda g: ternary(g, threshold), grads)
+        del ctx
+        return jax.tree.map(scalar, grads), state
 
     return Stage(name="discretize.ternary", kind_in=Kind.PER_EXAMPLE, kind_out=Kind.PER_EXAMPLE,
-                 make=stateless(apply), elementwise=True, options=dict(threshold=threshold))
+                 make=lambda facts: StageFns(apply=apply, hooks=Hooks(elementwise=scalar)),
+                 options=dict(threshold=threshold))
 
 
 def log_likelihoods(y, nu, scale):
@@ -60,7 +64,7 @@ def nasr_bayes(nu: float = 0.01) -> Stage:
         raise ValueError(f"denoise.nasr_bayes.nu must be > 0, got {nu!r}")
 
     def apply(released, state, ctx):
-        scale = max(ctx.noise_multiplier * ctx.sensitivity, 1e-12)
+        scale = max(ctx.noise_stddev, 1e-12)
         return jax.tree.map(lambda y: bayes_correct(y, nu, scale), released), state
 
     return Stage(name="denoise.nasr_bayes", kind_in=Kind.RELEASED, kind_out=Kind.RELEASED,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import optax
 
-from dpbench.stages.base import Kind, Stage, StageFns, StageInfo, register_stage
+from dpbench.stages.base import Kind, Stage, StageFns, register_stage
 
 OPTIMIZERS = ("sgd", "momentum", "adam")
 SCHEDULES = ("constant", "cosine", "warmup_cosine", "linear")
@@ -48,9 +48,9 @@ def optax_optimizer(optimizer: str = "momentum", learning_rate: float = 1.0,
     options = dict(optimizer=optimizer, learning_rate=learning_rate, momentum=momentum,
                    nesterov=nesterov, schedule=schedule, warmup_steps=warmup_steps)
 
-    def make(info: StageInfo) -> StageFns:
+    def make(facts) -> StageFns:
         transform = make_optimizer(
-            optimizer, make_schedule(schedule, learning_rate, info.total_steps, warmup_steps),
+            optimizer, make_schedule(schedule, learning_rate, facts.total_steps, warmup_steps),
             momentum, nesterov)
 
         def init(params, key):
@@ -63,4 +63,4 @@ def optax_optimizer(optimizer: str = "momentum", learning_rate: float = 1.0,
         return StageFns(apply=apply, init=init)
 
     return Stage(name="optimize.optax", kind_in=Kind.RELEASED, kind_out=Kind.UPDATES,
-                 make=make, options=options)
+                 make=make, needs={"total_steps"}, options=options)

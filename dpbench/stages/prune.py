@@ -11,7 +11,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from dpbench.stages.base import (Kind, Mask, OneOffRelease, Stage, StageFns, StageInfo,
+from dpbench.stages.base import (Kind, Mask, OneOffRelease, Privacy, Stage, StageFns,
                                  apply_mask, register_stage)
 
 
@@ -38,23 +38,25 @@ def random_layer_mask(params, key, sparsity: float):
 
 def _mask_values(values, state, ctx=None):
     del ctx
-    return apply_mask(values, state["mask"])
+    return apply_mask(values, state["mask"]), state
 
 
-def _masking_stage(name: str, make_mask, options: dict, fns: dict = None,
-                   **declarations) -> Stage:
-    """A pre-pruning stage: ``make_mask(info) -> (params, key) -> mask`` is its public mask,
+def _masking_stage(name: str, make_mask, options: dict, needs=frozenset(),
+                   one_off_release=None) -> Stage:
+    """A pre-pruning stage: ``make_mask(facts) -> (params, key) -> mask`` is its public mask,
     fixed at init; it masks every per-example gradient (apply), the release and the initial
-    parameters (the compiler, ``public_mask``). ``fns``: further step functions."""
-    def make(info: StageInfo) -> StageFns:
-        mask_fn = make_mask(info)
+    parameters (the compiler, ``Privacy.public_mask``). ``needs``: the run facts
+    ``make_mask`` reads."""
+    def make(facts) -> StageFns:
+        mask_fn = make_mask(facts)
         return StageFns(apply=_mask_values,
-                        init=lambda params, key: {"mask": mask_fn(params, key)}, **(fns or {}))
+                        init=lambda params, key: {"mask": mask_fn(params, key)})
 
     return Stage(name=name, kind_in=Kind.PER_EXAMPLE, kind_out=Kind.PER_EXAMPLE, make=make,
-                 public_mask=frozenset({Mask.PER_EXAMPLE, Mask.RELEASED, Mask.PARAMS}),
-                 options=options,
-                 **declarations)
+                 privacy=Privacy(
+                     public_mask=frozenset({Mask.PER_EXAMPLE, Mask.RELEASED, Mask.PARAMS}),
+                     one_off_release=one_off_release),
+                 needs=needs, options=options)
 
 
 @register_stage("prune.random")
@@ -63,7 +65,8 @@ def random(sparsity: float = 0.5) -> Stage:
     if not 0.0 <= sparsity < 1.0:
         raise ValueError(f"prune.random.sparsity must lie in [0, 1), got {sparsity!r}")
     return _masking_stage(
-        "prune.random", lambda info: lambda params, key: random_layer_mask(params, key, sparsity),
+        "prune.random", lambda facts: lambda params, key: random_layer_mask(params, key,
+                                                                             sparsity),
         dict(sparsity=sparsity))
 
 
@@ -106,14 +109,12 @@ def synflow(sparsity: float = 0.5, iterations: int = 100) -> Stage:
         raise ValueError(f"prune.synflow.iterations must be an integer >= 1, got {iterations!r}")
     options = dict(sparsity=sparsity, iterations=iterations)
 
-    def make_mask(info: StageInfo):
-        if info.linear_apply is None:
-            raise ValueError("prune.synflow needs the model's linearized twin (the train loop "
-                             "passes it); pass linear_apply= to compile_pipeline")
-        return lambda params, key: synflow_mask(params, info.linear_apply, info.example_shape,
+    def make_mask(facts):
+        return lambda params, key: synflow_mask(params, facts.linear_apply, facts.example_shape,
                                                 sparsity, iterations)
 
-    return _masking_stage("prune.synflow", make_mask, options)
+    return _masking_stage("prune.synflow", make_mask, options,
+                          needs={"linear_apply", "example_shape"})
 
 
 def top_fraction_mask(scores, params, keep_fraction: float):
@@ -132,10 +133,10 @@ def connection_scores(params, grads):
     return jax.tree.map(jnp.multiply, params, grads)
 
 
-def _needs_release(info):
+def _needs_release(facts):
     def mask(params, key):
         raise RuntimeError("prune.dp_snip's state comes from its accounted release; the "
-                           "compiler calls init_from_release")
+                           "compiler calls its OneOffRelease.init")
     return mask
 
 
@@ -167,6 +168,6 @@ def dp_snip(sparsity: float = 0.5, l2_bound: float = 1.0,
         "prune.dp_snip", _needs_release,
         dict(sparsity=sparsity, l2_bound=l2_bound, epsilon_fraction=epsilon_fraction),
         one_off_release=OneOffRelease(
-            l2_bound=l2_bound, epsilon_fraction=epsilon_fraction,
-            released="the sum of clipped per-example connection scores theta * grad (DP-SNIP)"),
-        fns=dict(release_value=connection_scores, init_from_release=init_from_release))
+            l2_bound=l2_bound, epsilon_fraction=epsilon_fraction, value=connection_scores,
+            init=init_from_release,
+            released="the sum of clipped per-example connection scores theta * grad (DP-SNIP)"))

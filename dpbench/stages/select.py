@@ -38,6 +38,7 @@ from __future__ import annotations
 import math
 from fractions import Fraction
 
+import dp_accounting
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -45,7 +46,7 @@ from jax.flatten_util import ravel_pytree
 
 from dpbench import accounting, exact
 from dpbench.stages.order import float_key, smallest_mask
-from dpbench.stages.base import Kind, Mask, Stage, StageFns, StageInfo, register_stage
+from dpbench.stages.base import Hooks, Kind, Mask, Privacy, Stage, StageFns, register_stage
 
 SCHEDULES = ("linear", "exponential", "constant")
 
@@ -140,17 +141,16 @@ def gip(group_size: int = 256, k_start: float = 1.0, k_end: float = 0.1,
     options = dict(group_size=group_size, k_start=k_start, k_end=k_end, schedule=schedule,
                    index_fraction=index_fraction)
 
-    def epsilon_per_step(info: StageInfo) -> float:
-        if info.target_epsilon is None:
-            raise ValueError("select.gip needs a target epsilon to split its index budget; "
-                             "do not set train.noise_multiplier with GIP")
-        return index_fraction * info.target_epsilon / info.total_steps
+    def epsilon_per_step(facts) -> float:
+        # the run's target epsilon: a needed fact, so the compiler refuses a run with a given
+        # sigma (train.noise_multiplier) before this is read
+        return index_fraction * facts.target_epsilon / facts.total_steps
 
-    def make(info: StageInfo) -> StageFns:
-        total = info.total_steps
-        size = sum(math.prod(x.shape) for x in jax.tree.leaves(info.param_shapes))
+    def make(facts) -> StageFns:
+        total = facts.total_steps
+        size = sum(math.prod(x.shape) for x in jax.tree.leaves(facts.param_shapes))
         groups = -(-size // group_size)
-        eps_step = epsilon_per_step(info)
+        eps_step = epsilon_per_step(facts)
         laws = {}  # m -> exact distance sampler (m takes at most group_size + 1 values)
 
         def host_inputs(step, rng):
@@ -174,14 +174,18 @@ def gip(group_size: int = 256, k_start: float = 1.0, k_end: float = 0.1,
                      f"{group_size} coordinates (each group {eps_step / groups:.4g}-DP with "
                      "theta = eps_group / min(2m, 2(l - m)), the groups of a step by basic "
                      "composition; sampled exactly on the host)")
-        return StageFns(apply=apply, init=_ones_mask, host_inputs=host_inputs, facts=dict(
+        return StageFns(apply=apply, init=_ones_mask, hooks=Hooks(host_inputs=host_inputs),
+                        derived=dict(
             eps_index_per_step=eps_step, groups=groups, eps_index_per_group=eps_step / groups,
             mechanism=mechanism))
 
     return Stage(name="select.gip", kind_in=Kind.AGGREGATE, kind_out=Kind.AGGREGATE,
-                 make=make, lipschitz=1.0,
-                 cost=lambda info: accounting.PureDpEvent(epsilon_per_step(info)),
-                 public_mask=frozenset({Mask.RELEASED}), options=options)
+                 make=make, needs={"target_epsilon", "total_steps", "param_shapes"},
+                 privacy=Privacy(
+                     lipschitz=1.0,
+                     cost=lambda facts: accounting.PureDpEvent(epsilon_per_step(facts)),
+                     public_mask=frozenset({Mask.RELEASED})),
+                 options=options)
 
 
 @register_stage("select.random_k")
@@ -191,8 +195,8 @@ def random_k(group_size: int = 256, k_start: float = 1.0, k_end: float = 0.5,
     _validate("select.random_k", group_size, k_start, k_end, schedule)
     options = dict(group_size=group_size, k_start=k_start, k_end=k_end, schedule=schedule)
 
-    def make(info: StageInfo) -> StageFns:
-        total = info.total_steps
+    def make(facts) -> StageFns:
+        total = facts.total_steps
 
         def init(params, key):
             return {"mask": jax.tree.map(jnp.ones_like, params), "key": key}
@@ -209,5 +213,8 @@ def random_k(group_size: int = 256, k_start: float = 1.0, k_end: float = 0.5,
         return StageFns(apply=apply, init=init)
 
     return Stage(name="select.random_k", kind_in=Kind.AGGREGATE, kind_out=Kind.AGGREGATE,
-                 make=make, lipschitz=1.0, reads_private=False,
-                 public_mask=frozenset({Mask.RELEASED}), options=options)
+                 make=make, needs={"total_steps"},
+                 # its output ignores the private values: it costs nothing
+                 privacy=Privacy(lipschitz=1.0, cost=lambda facts: dp_accounting.NoOpDpEvent(),
+                                 public_mask=frozenset({Mask.RELEASED})),
+                 options=options)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from dpbench.stages.base import (Kind, Mask, Stage, StageFns, StageInfo, apply_mask,
+from dpbench.stages.base import (Hooks, Kind, Mask, Privacy, Stage, StageFns, apply_mask,
                                  register_stage)
 
 COOLING = ("linear", "none")
@@ -44,9 +44,9 @@ def random_mask(final_rate: float = 0.5, cooling: str = "linear") -> Stage:
                          f"got {cooling!r}")
     options = dict(final_rate=final_rate, cooling=cooling)
 
-    def make(info: StageInfo) -> StageFns:
-        steps_per_epoch = max(info.steps_per_epoch, 1)
-        num_epochs = max(-(-info.total_steps // steps_per_epoch), 1)
+    def make(facts) -> StageFns:
+        steps_per_epoch = max(facts.steps_per_epoch, 1)
+        num_epochs = max(-(-facts.total_steps // steps_per_epoch), 1)
 
         def init(params, key):
             return {"mask_key": key, "mask": jax.tree.map(jnp.ones_like, params)}
@@ -59,11 +59,11 @@ def random_mask(final_rate: float = 0.5, cooling: str = "linear") -> Stage:
 
         def apply(grads, state, ctx):
             del ctx
-            return apply_mask(grads, state["mask"])
+            return apply_mask(grads, state["mask"]), state
 
-        return StageFns(apply=apply, init=init, begin_step=begin_step)
+        return StageFns(apply=apply, init=init, hooks=Hooks(begin_step=begin_step))
 
     return Stage(name="sparsify.random_mask", kind_in=Kind.PER_EXAMPLE,
-                 kind_out=Kind.PER_EXAMPLE, make=make,
-                 public_mask=frozenset({Mask.PER_EXAMPLE, Mask.RELEASED}),
+                 kind_out=Kind.PER_EXAMPLE, make=make, needs={"steps_per_epoch", "total_steps"},
+                 privacy=Privacy(public_mask=frozenset({Mask.PER_EXAMPLE, Mask.RELEASED})),
                  options=options)

@@ -15,7 +15,7 @@ def _ctx(params, step):
 
 def _at_step(stage, state, params, step):
     """The stage's state after its once-per-step begin_step (as the compiled step runs it)."""
-    return made(stage).begin_step(state, _ctx(params, step))
+    return made(stage).hooks.begin_step(state, _ctx(params, step))
 
 
 @pytest.mark.parametrize("criterion", ["random", "magnitude"])
@@ -27,7 +27,7 @@ def test_drops_exactly_the_rate_per_layer(criterion):
     state = made(stage).init(params, jax.random.key(1))
     ones = jax.tree.map(jnp.ones_like, params)
     out = jax.jit(lambda g: made(stage).apply(g, _at_step(stage, state, params, 3),
-                                        _ctx(params, 3)))(ones)
+                                        _ctx(params, 3))[0])(ones)
     assert int(jnp.sum(out["a"] == 0)) == int(0.6 * 1000)
     assert int(jnp.sum(out["b"] == 0)) == 0  # biases are never dropped
     if criterion == "magnitude":
@@ -48,7 +48,7 @@ def test_the_rate_applies_to_the_weights_left_after_pre_pruning(criterion):
     stage = stages.drop.gradients(rate=0.5, criterion=criterion)
     state = made(stage).init(params, jax.random.key(1))
     out = jax.jit(lambda g: made(stage).apply(g, _at_step(stage, state, params, 2),
-                                        _ctx(params, 2)))({"w": jnp.ones((40, 50))})
+                                        _ctx(params, 2))[0])({"w": jnp.ones((40, 50))})
     kept = np.asarray(out["w"]).ravel() != 0
     assert not np.any(kept & pruned)          # pruned weights are never updated
     assert kept.sum() == 1000 - int(0.5 * 1000)  # half of the remaining ones are dropped
@@ -59,7 +59,7 @@ def test_random_mask_is_fresh_each_step_and_independent_of_private_values():
     stage = stages.drop.gradients(rate=0.5, criterion="random")
     state = made(stage).init(params, jax.random.key(2))
     apply = jax.jit(lambda g, s: made(stage).apply(g, _at_step(stage, state, params, s),
-                                             _ctx(params, s)))
+                                             _ctx(params, s))[0])
     ones = {"w": jnp.ones((50, 100))}
     private = {"w": jnp.asarray(np.random.default_rng().normal(size=(50, 100)) + 5,
                                 jnp.float32)}
@@ -71,7 +71,7 @@ def test_noise_is_removed_on_dropped_coordinates():
     """The compiler masks the release with the drop mask: a compiled step on an empty batch
     (its update is the noise alone) moves exactly the kept coordinates."""
     stage = stages.drop.gradients(rate=0.3, criterion="magnitude")
-    assert Mask.RELEASED in stage.public_mask  # the compiler masks the release with it
+    assert Mask.RELEASED in stage.privacy.public_mask  # the compiler masks the release with it
     moved, kept = moved_and_mask_after_an_empty_step(stage)
     np.testing.assert_array_equal(moved, kept)
     assert 0.5 < kept.mean() < 0.9  # rate 0.3 dropped, the rest kept

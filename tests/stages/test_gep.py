@@ -247,7 +247,7 @@ def check_released_parts_stay_within_the_declared_bounds(embed_one):
     each part (the stage's l2_bound: S1 and S2 in parameter units)."""
     s1, s2 = 0.1, 0.02
     stage = stages.gep.embed_and_clip(embedding_bound=s1, residual_bound=s2)
-    assert stage.parts == 2 and stage.l2_bound == 1.0
+    assert stage.privacy.parts == 2 and stage.privacy.l2_bound == 1.0
     rng = np.random.default_rng()
     bases = _perturbed_bases(rng, {"Dense_0": 6, "Dense_1": 3}, perturbation=0.1)
     eps = gep.basis_orthonormality_error(bases)
@@ -261,7 +261,7 @@ def check_released_parts_stay_within_the_declared_bounds(embed_one):
     out = jax.jit(jax.vmap(lambda grads: embed_one(grads, bases, eps, s1, s2, False)))(
         _as_params(flat))
     embedding_moves = np.linalg.norm(np.asarray(out["w"], np.float64), axis=1)
-    assert np.max(embedding_moves) <= stage.l2_bound * (1 + 1e-6)
+    assert np.max(embedding_moves) <= stage.privacy.l2_bound * (1 + 1e-6)
     residual_sq = 0.0
     for g, basis in bases.items():  # one example's part of sum c (v - B^T w) / S2, exactly
         rv = np.concatenate([np.asarray(x, np.float64).reshape(len(x), -1)
@@ -270,8 +270,8 @@ def check_released_parts_stay_within_the_declared_bounds(embed_one):
         residual_sq = residual_sq + np.sum(np.square(rv - rw @ np.asarray(basis, np.float64)),
                                            axis=1)
     worst = float(np.sqrt(np.max(residual_sq)))
-    assert worst <= stage.l2_bound * (1 + 1e-6), \
-        f"one example moves the released residual sum by {worst} > {stage.l2_bound}"
+    assert worst <= stage.privacy.l2_bound * (1 + 1e-6), \
+        f"one example moves the released residual sum by {worst} > {stage.privacy.l2_bound}"
 
 
 def _embed_and_clip_ignoring_the_orthonormality_error(grads, basis, eps, embedding_bound,
@@ -297,7 +297,7 @@ def test_residual_bound_holds_for_a_non_orthonormal_basis(embed_one):
         check_released_parts_stay_within_the_declared_bounds(embed_one)
 
 
-# --- Book-keeping form (StageFns.layer_clip) and the r-step basis -------------------------
+# --- Book-keeping form (Hooks.layer_clip) and the r-step basis -------------------------
 
 def _compile_with_model(model_name, shape, biased=False, refresh=1, n=48, batch=24):
     """GEP compiled as train.train compiles it: with the model, so book-keeping where it
@@ -314,13 +314,13 @@ def _compile_with_model(model_name, shape, biased=False, refresh=1, n=48, batch=
                                                 anchor_chunk=16, basis_refresh_every=refresh),
                       stages.noise.gaussian(),
                       stages.optimize.optax_optimizer(optimizer="sgd", learning_rate=0.5)]
-        return compiler.compile_pipeline(
-            stage_list, loss_fn=models.cross_entropy_loss(model),
+        return compiler.compile_pipeline(stage_list, compiler.RunInputs(
+            loss_fn=models.cross_entropy_loss(model),
             init_params=lambda key: model.init(key, jnp.zeros((1,) + shape)),
             example_shape=shape, sampler=sampling.PoissonSampler(n, batch, seed=0, pad_multiple=8),
             budget=accounting.Budget(3.0, 1e-5), total_steps=10, steps_per_epoch=2,
-            micro_batch_size=8, noise_multiplier=1.0, public_images=public, num_classes=10,
-            model=model if with_model else None)
+            noise_multiplier=1.0, public_images=public, num_classes=10,
+            model=model if with_model else None), micro_batch_size=8)
     return model, build
 
 

@@ -9,8 +9,8 @@ from tests.conftest import made, small_model
 
 def _per_example_grads(stage, params, loss_fn, images, labels, key):
     def one(image, label, k):
-        ctx = StepContext(params=params, step=jnp.zeros((), jnp.int32), key=k, loss_fn=loss_fn)
-        grads, _ = made(stage).apply({"image": image, "label": label}, (), ctx)
+        ctx = StepContext(params=params, step=jnp.zeros((), jnp.int32), key=k)
+        grads, _ = made(stage, loss_fn=loss_fn).apply({"image": image, "label": label}, (), ctx)
         return grads
     keys = jax.random.split(key, images.shape[0])
     return jax.jit(jax.vmap(one))(images, labels, keys)
@@ -55,8 +55,9 @@ def test_augmult_averages_k_augmented_gradients():
     image = np.random.default_rng().normal(size=(8, 8, 1)).astype(np.float32)
     stage = stages.grad.per_example(augmult=3, augmentation="crop_flip", crop_padding=2)
     key = jax.random.key(7)
-    ctx = StepContext(params=params, step=jnp.zeros((), jnp.int32), key=key, loss_fn=loss_fn)
-    got, _ = jax.jit(lambda e: made(stage).apply(e, (), ctx))({"image": image, "label": 1})
+    ctx = StepContext(params=params, step=jnp.zeros((), jnp.int32), key=key)
+    got, _ = jax.jit(lambda e: made(stage, loss_fn=loss_fn).apply(e, (), ctx))(
+        {"image": image, "label": 1})
     keys = jax.random.split(key, 3)
     grads = [jax.grad(loss_fn)(params, stages.grad.augment_image(k, image, "crop_flip", 2), 1)
              for k in keys]

@@ -20,7 +20,7 @@ def _release(sigma, l2_bound, key):
     stage = stages.noise.gaussian()
     zeros = {"a": jnp.zeros((300, 300)), "b": jnp.zeros((20000,))}
     ctx = StepContext(params=None, step=jnp.zeros((), jnp.int32), key=key,
-                      noise_multiplier=sigma, sensitivity=l2_bound)
+                      noise_stddev=sigma * l2_bound)
     out, _ = jax.jit(lambda v: made(stage).apply(v, (), ctx))(zeros)
     return out
 

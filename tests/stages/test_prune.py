@@ -110,8 +110,8 @@ def test_dp_snip_clips_each_examples_connection_scores_theta_times_grad():
     rng = np.random.default_rng()
     params = {"w": jnp.asarray(rng.normal(size=(6, 5)) * 3.0, jnp.float32)}
     grads = {"w": jnp.asarray(rng.normal(size=(6, 5)) * 10.0, jnp.float32)}
-    release = stage.one_off_release
-    scores = jax.jit(made(stage).release_value)(params, grads)
+    release = stage.privacy.one_off_release
+    scores = jax.jit(release.value)(params, grads)
     np.testing.assert_allclose(scores["w"], params["w"] * grads["w"], rtol=1e-6)
     from dpbench.ops import clip_to_l2
     clipped = jax.jit(lambda v: clip_to_l2(v, release.l2_bound))(scores)
@@ -178,7 +178,7 @@ def check_one_off_release_noise_matches_the_ledger(release_fn, snip, releases=64
     compiled, init_params, loss_fn = snip
     rng = np.random.default_rng()
     (line,) = compiled.accounting.pre_mechanisms
-    assert line.details["l2_sensitivity"] == compiled.stages[1].one_off_release.l2_bound
+    assert line.details["l2_sensitivity"] == compiled.stages[1].privacy.one_off_release.l2_bound
     declared = _ledger_noise_multiplier(line.event) * line.details["l2_sensitivity"]
     images, labels = random_data(64, seed=int(rng.integers(1 << 30)))
     b = compiled.sampler.sample(sampling.PRE_TRAINING_STEP)
@@ -202,7 +202,7 @@ def check_one_off_release_noise_matches_the_ledger(release_fn, snip, releases=64
 
 def _release_with_sigma_only(plan, acct, loss_fn, i, params, key, batch):
     """BROKEN twin of compiler.one_off_release: noise stddev sigma, the sensitivity forgotten."""
-    release = plan.stages[i].one_off_release
+    release = plan.stages[i].privacy.one_off_release
     acct = dataclasses.replace(acct, init_noise_multiplier=acct.init_noise_multiplier
                                / release.l2_bound)
     return compiler.one_off_release(plan, acct, loss_fn, i, params, key, batch)

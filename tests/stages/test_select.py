@@ -16,7 +16,7 @@ from jax.scipy.special import gammaln
 
 from dpbench import accounting, exact, models, stages
 from dpbench.stages import select
-from tests.conftest import compile_small, dpsgd_stages, make_batch, random_data
+from tests.conftest import compile_small, dpsgd_stages, made, make_batch, random_data
 
 
 def _real_eps_group():
@@ -79,10 +79,8 @@ def test_flips_are_uniform_over_the_sets_at_the_drawn_distance():
 def _gip_stage(group_size, k, target_epsilon, total_steps=1, index_fraction=0.5):
     stage = stages.select.gip(group_size=group_size, k_start=k, k_end=k,
                               index_fraction=index_fraction)
-    info = stages.StageInfo(total_steps=total_steps, steps_per_epoch=1, expected_batch_size=4,
-                            dataset_size=40, target_epsilon=target_epsilon,
-                            param_shapes={"w": jax.ShapeDtypeStruct((group_size,), jnp.float32)})
-    return stage.make(info)
+    return made(stage, total_steps=total_steps, steps_per_epoch=1, target_epsilon=target_epsilon,
+                param_shapes={"w": jax.ShapeDtypeStruct((group_size,), jnp.float32)})
 
 
 def test_gip_index_release_law_on_a_tiny_domain():
@@ -91,11 +89,11 @@ def test_gip_index_release_law_on_a_tiny_domain():
     15 sets), and the worst log-probability ratio over all reference pairs is eps_group."""
     l, m, n = 6, 2, 20_000
     built = _gip_stage(l, m / l, target_epsilon=2.4)  # eps_group = 0.5 * 2.4 = 1.2
-    eps_group = built.facts["eps_index_per_group"]
+    eps_group = built.derived["eps_index_per_group"]
     theta = float(select.index_theta(Fraction(eps_group), m, l))
     values = jnp.asarray([0.1, 3.0, -0.2, 0.05, -2.0, 0.3])  # top-2 by magnitude: {1, 4}
     rng = np.random.default_rng()
-    drawn = [built.host_inputs(0, rng) for _ in range(n)]
+    drawn = [built.hooks.host_inputs(0, rng) for _ in range(n)]
     stacked = jax.tree.map(lambda *xs: jnp.asarray(np.stack(xs)), *drawn)
     apply = jax.jit(jax.vmap(lambda d: built.apply(
         {"w": values}, {}, stages.StepContext(params=None, step=jnp.asarray(0),
@@ -124,8 +122,8 @@ def test_gip_index_release_law_on_a_tiny_domain():
 
 def test_gip_host_draws_depend_only_on_public_inputs_and_the_seed():
     built = _gip_stage(8, 0.5, target_epsilon=3.0, total_steps=10)
-    one = built.host_inputs(3, np.random.default_rng([7, 3]))
-    two = built.host_inputs(3, np.random.default_rng([7, 3]))
+    one = built.hooks.host_inputs(3, np.random.default_rng([7, 3]))
+    two = built.hooks.host_inputs(3, np.random.default_rng([7, 3]))
     jax.tree.map(np.testing.assert_array_equal, one, two)
     assert int(one["m"]) == 4 and sorted(one["priority"][0]) == list(range(8))
 
@@ -178,9 +176,7 @@ def test_released_update_lives_on_the_selected_indices_only():
 
 def test_random_k_mask_does_not_depend_on_private_values():
     stage = stages.select.random_k(group_size=8)
-    info = stages.StageInfo(total_steps=10, steps_per_epoch=5, expected_batch_size=4,
-                            dataset_size=40, param_shapes=None)
-    built = stage.make(info)
+    built = made(stage)
     state = built.init({"w": jnp.zeros(40)}, jax.random.key(0))
     ctx = stages.StepContext(params=None, step=jnp.asarray(6), key=jax.random.key(9))
     a = built.apply({"w": jnp.ones(40)}, state, ctx)[1]["mask"]
@@ -272,8 +268,8 @@ def _group_index_law_at_twice_theta(eps_step, groups: int, m: int, group_size: i
 
 def _charging_half(stage):
     """BROKEN twin of GIP's ledger line: its index release charged at half its epsilon."""
-    return dataclasses.replace(stage, cost=lambda info: accounting.PureDpEvent(
-        stage.cost(info).epsilon / 2))
+    return dataclasses.replace(stage, privacy=stage.privacy._replace(
+        cost=lambda facts: accounting.PureDpEvent(stage.privacy.cost(facts).epsilon / 2)))
 
 
 @pytest.mark.parametrize("twin", ["gip", "twin_sampler_twice_theta", "twin_ledger_charges_half"])

@@ -9,7 +9,6 @@ import numpy as np
 
 from dpbench import accounting, data, records
 from dpbench.config import TrainConfig
-from dpbench.run import Run
 
 
 def not_covered(dataset: data.Dataset, config: TrainConfig) -> list:
@@ -50,7 +49,7 @@ def not_covered(dataset: data.Dataset, config: TrainConfig) -> list:
     return items
 
 
-def privacy_statement(run: Run, budget, config: TrainConfig, end_step: int,
+def privacy_statement(run, budget, config: TrainConfig, end_step: int,
                       epsilon: float, outside_stages: list = ()) -> dict:
     compiled, n = run.compiled, len(run.dataset.train)
     return records.privacy_statement(

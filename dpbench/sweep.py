@@ -36,7 +36,7 @@ import time
 from pathlib import Path
 
 from dpbench import records as records_lib
-from dpbench import sweep_cost, sweep_secret, tuning
+from dpbench import sweep_cost, sweep_plan, sweep_secret, tuning
 from dpbench.protocol import ProtocolError, load_protocol
 # what the sweep refuses before it starts, and its advice on a failed trial (tests reach them
 # here)
@@ -295,7 +295,7 @@ def main(argv=None) -> int:
             workers = 1 if args.address else args.cpus or os.cpu_count()
             for epsilon in args.epsilons or protocol["epsilons"]:
                 if args.secret_trial_count:
-                    plans.append(sweep_secret.prepare_secret(protocol, family, epsilon, methods,
+                    plans.append(sweep_plan.prepare_secret(protocol, family, epsilon, methods,
                                                              private / "records", workers))
                     print(f"{plans[-1]['group']}: K drawn in secret", flush=True)
                     continue

@@ -140,3 +140,22 @@ def prepare(protocol: dict, family: str, epsilon: float, methods, records: Path,
     # insertion order kept (methods as the protocol lists them: the order trials are queued)
     records_lib.atomic_write_text(path, json.dumps(plan, indent=1) + "\n")
     return plan
+
+
+def prepare_secret(protocol: dict, family: str, epsilon: float, methods, private: Path,
+                   workers: int = 1) -> dict:
+    """A secret search's plan, kept under ``private`` (never published): drawn once from OS
+    entropy; a rerun reuses it (drawing J again and keeping the better search would void the
+    bound)."""
+    group = tuning.group_name(family, epsilon, protocol["delta"])
+    path = private / group / tuning.SEARCH_FILE
+    if path.exists():
+        plan = json.loads(path.read_text())
+        if sorted(plan["methods"]) != sorted(methods):
+            raise ProtocolError(
+                f"{path}: this secret search runs {sorted(plan['methods'])}; rerun with "
+                "exactly those --methods (a new set of methods needs a new --runs_dir)")
+        return plan
+    plan = plan_group(protocol, family, epsilon, methods, workers, secret=True)
+    records_lib.atomic_write_text(path, json.dumps(plan, indent=1) + "\n")
+    return plan

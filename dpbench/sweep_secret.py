@@ -19,30 +19,9 @@ from pathlib import Path
 
 from dpbench import records as records_lib
 from dpbench import tuning
-from dpbench.protocol import ProtocolError
 from dpbench.methods import REPO_ROOT as REPO
-from dpbench.sweep_plan import plan_group
 
-SEARCH_FILE, run_dir_name = tuning.SEARCH_FILE, tuning.run_dir_name
-
-
-def prepare_secret(protocol: dict, family: str, epsilon: float, methods, private: Path,
-                   workers: int = 1) -> dict:
-    """A secret search's plan, kept under ``private`` (never published): drawn once from OS
-    entropy; a rerun reuses it (drawing J again and keeping the better search would void the
-    bound)."""
-    group = tuning.group_name(family, epsilon, protocol["delta"])
-    path = private / group / SEARCH_FILE
-    if path.exists():
-        plan = json.loads(path.read_text())
-        if sorted(plan["methods"]) != sorted(methods):
-            raise ProtocolError(
-                f"{path}: this secret search runs {sorted(plan['methods'])}; rerun with "
-                "exactly those --methods (a new set of methods needs a new --runs_dir)")
-        return plan
-    plan = plan_group(protocol, family, epsilon, methods, workers, secret=True)
-    records_lib.atomic_write_text(path, json.dumps(plan, indent=1) + "\n")
-    return plan
+run_dir_name = tuning.run_dir_name
 
 
 RELEASE = "release.json"  # a secret search's statement, beside the one run it publishes

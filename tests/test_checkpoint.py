@@ -19,6 +19,7 @@ from dp_accounting import dp_event
 from dp_accounting.pld import pld_privacy_accountant
 
 from dpbench import accounting, checkpoint, config, records, train
+from dpbench import run as run_lib
 from tests.conftest import HANG_GUARD_S, REPO_ROOT, run_guarded
 
 DIGITS = ["pipelines/dpsgd/pipeline.gin", "gin/data/digits.gin"]
@@ -67,7 +68,7 @@ def test_sigkill_at_a_random_step_then_resume_is_bit_identical(tmp_path):
     victim.send_signal(signal.SIGKILL)
     victim.wait()
     assert not (killed / "run_record.json").exists()
-    saved = checkpoint.RunCheckpoints(killed / train.CHECKPOINTS).latest_step()
+    saved = checkpoint.RunCheckpoints(killed / run_lib.CHECKPOINTS).latest_step()
     assert saved is not None and saved > 0
     resumed = run_guarded(cli_command(killed, bindings), cwd=REPO_ROOT)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
@@ -78,8 +79,8 @@ def test_sigkill_at_a_random_step_then_resume_is_bit_identical(tmp_path):
     first_resumed_log = [line for line in resumed.stderr.splitlines()
                          if "steps/s  epsilon spent" in line][0]
     assert f"step {saved + 1}/" in first_resumed_log
-    a, b = checkpoint.load_saved(full / train.CHECKPOINTS), checkpoint.load_saved(
-        killed / train.CHECKPOINTS)
+    a, b = checkpoint.load_saved(full / run_lib.CHECKPOINTS), checkpoint.load_saved(
+        killed / run_lib.CHECKPOINTS)
     assert a["step"] == b["step"]
     assert_trees_identical(a["state"], b["state"])  # params, optimizer, EMA, step, key
     assert_trees_identical(a["best"], b["best"])
@@ -173,7 +174,7 @@ def test_resuming_a_run_whose_last_checkpoint_is_final_writes_the_same_record(
 def test_corrupt_or_truncated_checkpoint_names_the_file_and_the_last_good_step(
         finished_run, tmp_path, damage):
     copy = _unfinished_copy(finished_run, tmp_path)
-    ckpts = checkpoint.RunCheckpoints(copy / train.CHECKPOINTS)
+    ckpts = checkpoint.RunCheckpoints(copy / run_lib.CHECKPOINTS)
     steps = ckpts.steps()
     assert len(steps) == 2
     latest_dir = ckpts.step_dir(steps[-1])
@@ -192,11 +193,11 @@ def test_corrupt_or_truncated_checkpoint_names_the_file_and_the_last_good_step(
 
 def test_changed_privacy_setting_is_refused_and_named(finished_run, tmp_path):
     copy = _unfinished_copy(finished_run, tmp_path)
-    with pytest.raises(train.ResumeError, match=r"batch_size: 128 -> 64"):
+    with pytest.raises(run_lib.ResumeError, match=r"batch_size: 128 -> 64"):
         run_in_process(copy, ["train.batch_size = 64"])
-    with pytest.raises(train.ResumeError, match=r"target_epsilon: 3\.0 -> 2\.0"):
+    with pytest.raises(run_lib.ResumeError, match=r"target_epsilon: 3\.0 -> 2\.0"):
         run_in_process(copy, ["EPSILON = 2.0"])
-    with pytest.raises(train.ResumeError, match=r"l2_bound"):
+    with pytest.raises(run_lib.ResumeError, match=r"l2_bound"):
         run_in_process(copy, ["clip.global_l2.l2_bound = 0.2"])
 
 
@@ -206,11 +207,11 @@ def test_finished_run_is_never_overwritten_without_the_flag(finished_run, tmp_pa
     copy = tmp_path / "run"
     shutil.copytree(workdir, copy)
     before = (copy / "run_record.json").read_bytes()
-    with pytest.raises(train.WorkdirError, match="--overwrite"):
+    with pytest.raises(run_lib.WorkdirError, match="--overwrite"):
         run_in_process(copy, ["train.epochs = 1"])
     assert (copy / "run_record.json").read_bytes() == before
     record = run_in_process(copy, ["train.epochs = 1"], overwrite=True)
-    archived = list((copy / train.SUPERSEDED).glob("*/run_record.json"))
+    archived = list((copy / run_lib.SUPERSEDED).glob("*/run_record.json"))
     assert len(archived) == 1 and archived[0].read_bytes() == before  # nothing lost
     assert record["steps"] < original["steps"]
 
@@ -225,7 +226,7 @@ def test_fidelity_diagnostics_are_recorded_as_non_private(finished_run):
 
 def test_checkpoint_records_the_privacy_ledger(finished_run):
     workdir, record = finished_run
-    saved = checkpoint.load_saved(workdir / train.CHECKPOINTS)
+    saved = checkpoint.load_saved(workdir / run_lib.CHECKPOINTS)
     ledger = saved["ledger"]
     assert ledger["step"] == record["steps"] == saved["step"]
     assert ledger["epsilon_spent"] == record["epsilon"]
@@ -253,7 +254,7 @@ def test_checkpoint_records_the_privacy_ledger(finished_run):
 
 def test_release_run_never_writes_its_key(tmp_path):
     run_in_process(tmp_path / "run", ["train.seed = None", "train.epochs = 1"])
-    saved = checkpoint.load_saved(tmp_path / "run" / train.CHECKPOINTS)
+    saved = checkpoint.load_saved(tmp_path / "run" / run_lib.CHECKPOINTS)
     assert not saved["ledger"]["key_saved"] and np.all(saved["state"]["key"] == 0)
     assert saved["ledger"]["settings"]["seed"] is None
 
@@ -286,7 +287,7 @@ def test_diverging_run_stops_and_keeps_its_last_good_checkpoint(tmp_path):
                                  "train.checkpoint_every_steps = 1", "train.log_every_steps = 1",
                                  "optimize.optax.momentum = 0.0"])
     last = int(str(error.value).split("last good checkpoint is step ")[1].split()[0])
-    saved = checkpoint.load_saved(workdir / train.CHECKPOINTS)
+    saved = checkpoint.load_saved(workdir / run_lib.CHECKPOINTS)
     assert saved["step"] == last
     assert all(np.all(np.isfinite(leaf)) for leaf in jax.tree.leaves(saved["state"]["params"]))
     assert not (workdir / "run_record.json").exists()
@@ -312,7 +313,7 @@ def _one_nonfinite_example_per_step(monkeypatch):
     """Every step reports one more non-finite (zeroed) example than it had: a count to follow
     through a checkpoint, the step's computation unchanged."""
     import dataclasses
-    build = train.build_run
+    build = run_lib.build_run  # run.start builds the run
 
     def counting_build(*args, **kwargs):
         run = build(*args, **kwargs)
@@ -323,7 +324,7 @@ def _one_nonfinite_example_per_step(monkeypatch):
             return new, dict(metrics, nonfinite_examples=metrics["nonfinite_examples"] + 1.0)
         return dataclasses.replace(run, compiled=dataclasses.replace(run.compiled,
                                                                      step=counting_step))
-    monkeypatch.setattr(train, "build_run", counting_build)
+    monkeypatch.setattr(run_lib, "build_run", counting_build)
 
 
 def test_a_resumed_run_reports_every_nonfinite_example_of_its_first_segment(tmp_path,
@@ -352,7 +353,7 @@ def test_a_resumed_run_reports_every_nonfinite_example_of_its_first_segment(tmp_
 def test_unwritable_workdir_fails_before_training(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("not a directory")
-    with pytest.raises(train.WorkdirError, match="cannot write to --workdir"):
+    with pytest.raises(run_lib.WorkdirError, match="cannot write to --workdir"):
         run_in_process(blocker / "run")
 
 
@@ -362,4 +363,4 @@ def test_a_relative_workdir_checkpoints_and_finishes(tmp_path, monkeypatch):
     record = run_in_process(Path("runs") / "relative", ["train.epochs = 1",
                                                         "train.checkpoint_every_steps = 3"])
     assert record["steps"] > 3
-    assert checkpoint.RunCheckpoints(tmp_path / "runs" / "relative" / train.CHECKPOINTS).steps()
+    assert checkpoint.RunCheckpoints(tmp_path / "runs" / "relative" / run_lib.CHECKPOINTS).steps()

@@ -17,6 +17,7 @@ from dp_accounting.pld import pld_privacy_accountant
 from dp_accounting.pld import privacy_loss_distribution as pld_lib
 
 from dpbench import config, methods, numerics, records, train
+from dpbench import run as run_lib
 from tests.conftest import REPO_ROOT
 
 PIPELINES = sorted(methods.discover())  # every method folder under pipelines/
@@ -224,8 +225,8 @@ def test_pipeline_trains_on_digits(pipeline, tmp_path):
 
 def _new_noise_key(monkeypatch):
     """The same run with another noise key (the parameters' key and the sampler's unchanged)."""
-    build = train.build_run
-    monkeypatch.setattr(train, "build_run", lambda *a, **k: dataclasses.replace(
+    build = run_lib.build_run  # run.start builds the run
+    monkeypatch.setattr(run_lib, "build_run", lambda *a, **k: dataclasses.replace(
         build(*a, **k), run_key=jax.random.key(20261125)))
 
 

@@ -209,10 +209,11 @@ def test_every_module_sits_on_a_floor_and_imports_only_the_floors_below_it():
         "dpbench.tuning (search) imports dpbench.sweep_plan (sweep)"]
 
 
-def test_the_longest_import_chain_is_at_most_11_modules():
+def test_the_longest_import_chain_is_at_most_10_modules():
     """The house's height: the import DAG's longest chain (a module's floor number is one
     more than its highest import's). 15 before the compiler's callers imported its modules
-    directly and the sweep read its events without building a run; ~10 is the aim."""
+    directly and the sweep read its events without building a run; 11 before the record read
+    a run by duck type and the secret search's plan moved to the planning module."""
     modules = _modules()
     graph = {name: _imports(path, modules) - {name} for name, path in modules.items()}
     levels = {}
@@ -221,4 +222,4 @@ def test_the_longest_import_chain_is_at_most_11_modules():
         if module not in levels:
             levels[module] = 1 + max((level(m) for m in graph[module]), default=0)
         return levels[module]
-    assert max(level(m) for m in graph) <= 11, sorted(levels.items(), key=lambda kv: -kv[1])[:8]
+    assert max(level(m) for m in graph) <= 10, sorted(levels.items(), key=lambda kv: -kv[1])[:8]

@@ -22,7 +22,8 @@ from dp_accounting import dp_event
 from dp_accounting.pld import pld_privacy_accountant
 from dp_accounting.rdp import rdp_privacy_accountant
 
-from dpbench import accounting, config, methods, sweep, sweep_cost, sweep_secret, tuning
+from dpbench import (accounting, config, methods, sweep, sweep_cost, sweep_plan, sweep_secret,
+                     tuning)
 from dpbench.protocol import ProtocolError, at_epsilon, load_protocol
 from dpbench.search_space import privacy_key, trial_bindings
 from tests.conftest import HANG_GUARD_S, run_guarded, wait_guarded
@@ -664,7 +665,8 @@ def test_a_secret_search_trains_on_secret_noise_and_publishes_only_each_winner(t
     search's records or runs holds a seed that was drawn (a fixed seed, the old
     train.seed = 0, gives byte-identical trial-0 models and fails). A rerun reuses the secret
     plan (drawing J again would void the bound)."""
-    from dpbench import checkpoint, train
+    from dpbench import checkpoint
+    from dpbench import run as run_lib
     protocol = json.loads(json.dumps(PROTOCOL))
     family = protocol["families"]["digits__logistic"]
     family["methods"] = {"dpsgd": family["methods"]["dpsgd"]}
@@ -697,7 +699,7 @@ def test_a_secret_search_trains_on_secret_noise_and_publishes_only_each_winner(t
                 assert not any(_holds(path, seed) for seed in seeds), path
         # orbax compresses a checkpoint's arrays, so the bytes above cannot show its key:
         # read it back (a release run saves a zero key; test_checkpoint has the seeded twin)
-        checkpoints = list((root / "runs").rglob(train.CHECKPOINTS))
+        checkpoints = list((root / "runs").rglob(run_lib.CHECKPOINTS))
         assert len(checkpoints) == 2
         for directory in checkpoints:
             saved = checkpoint.load_saved(directory)
@@ -718,12 +720,12 @@ def test_a_secret_search_trains_on_secret_noise_and_publishes_only_each_winner(t
     assert release["epsilon"] == pytest.approx(rdp.get_epsilon(1e-5), rel=1e-3)
     assert "num_trials" not in release and "kept secret" in release["statement"]
     loaded = load_protocol(tmp_path / "a" / "protocol.json")
-    again = sweep_secret.prepare_secret(loaded, "digits__logistic", 3.0, ["dpsgd"],
-                                        private.parent)
+    again = sweep_plan.prepare_secret(loaded, "digits__logistic", 3.0, ["dpsgd"],
+                                      private.parent)
     assert again == plan and json.loads(plan_path.read_text()) == plan  # not drawn again
     with pytest.raises(ProtocolError, match="exactly those --methods"):
-        sweep_secret.prepare_secret(loaded, "digits__logistic", 3.0, ["dpsgd", "rs"],
-                                    private.parent)
+        sweep_plan.prepare_secret(loaded, "digits__logistic", 3.0, ["dpsgd", "rs"],
+                                  private.parent)
     assert sweep_secret.into_board_reason(config.REPO_ROOT / "leaderboard" / "records")
     assert sweep_secret.into_board_reason(tmp_path / "records") is None
 
@@ -733,7 +735,6 @@ def test_a_secret_searchs_trial_count_follows_the_deployment_law_over_searches()
     follows the deployment's law: the chi-square of test_tuning passes at its 1e-5 level
     (false failures <= 1.6e-5, simulated there), and a J drawn from a fixed seed (one value
     over and over) is rejected by the same check."""
-    from dpbench import sweep_plan
     from tests.test_tuning import trial_count_p_value
     trials = {"fixed": 5, "seed": 7, "deployment": {"shape": 1, "mean_random": 5}}
     draws = np.array([sweep_plan.secret_num_random(trials)[1] for _ in range(4000)])

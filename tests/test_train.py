@@ -16,6 +16,7 @@ import pytest
 from dp_accounting import dp_event
 
 from dpbench import accounting, checkpoint, config, data, methods, records, run_record, train
+from dpbench import run as run_lib
 from dpbench.config import TrainConfig, pipeline_stages
 from dpbench.run import build_run, run_settings
 
@@ -56,7 +57,7 @@ def check_best_step_follows_validation(workdir):
     loop = train._Loop(run=run, config=config.TrainConfig(eval_every_steps=1), workdir=workdir,
                        ckpts=None, settings={}, wall_start=0.0,
                        eval_fn=lambda params, x, y: int(np.sum(y == params["predicts"])))
-    progress = train.Progress(best={"validation_accuracy": -1.0, "step": 0, "params": None})
+    progress = run_lib.Progress(best={"validation_accuracy": -1.0, "step": 0, "params": None})
     predicted = {1: 1, 2: 0, 3: 2}  # step -> the class its model predicts
     for step, label in predicted.items():
         state = SimpleNamespace(params={"predicts": np.asarray(9)},
@@ -101,7 +102,7 @@ def built(case: str):
     _, stages = config.pipeline_stages()
     train_config, budget = config.TrainConfig(), accounting.Budget()
     run = build_run(stages, train_config, budget)
-    end_step, _ = train._budget_stop(run.compiled, budget, train_config)
+    end_step, _ = run_lib.budget_stop(run.compiled, budget, train_config)
     return run, budget, train_config, end_step, run.compiled.epsilon_after(end_step)
 
 
@@ -190,7 +191,7 @@ def test_the_statement_fields_are_the_ledgers_event(case, builder):
 
 
 def skip_epsilon_check(ledger, step, epsilon_now):
-    """Broken twin of train.check_ledger_epsilon: resumes whatever the ledger says was spent."""
+    """Broken twin of run_lib.check_ledger_epsilon: resumes whatever the ledger says was spent."""
 
 
 def _checkpoint_with_epsilon(run, settings, directory, scale: float):
@@ -199,7 +200,7 @@ def _checkpoint_with_epsilon(run, settings, directory, scale: float):
     state = run.initial_state()
     for step in range(2):
         state, _ = run.compiled.step(state, run.host_batch(step))
-    progress = train.Progress(best={"validation_accuracy": 0.5, "step": 2,
+    progress = run_lib.Progress(best={"validation_accuracy": 0.5, "step": 2,
                                     "params": checkpoint.to_host(state.params)})
     train._save_checkpoint(ckpts, run.compiled, state, progress, settings, 2,
                            scale * run.compiled.epsilon_after(2), key_saved=True)
@@ -224,10 +225,10 @@ def check_resume_refuses_a_wrong_ledger_epsilon(tmp_path):
     run, settings, train_config = built_dpsgd()
     for scale in (1.0, 2.0, 0.5):
         workdir = tmp_path / f"x{scale}"
-        ckpts = _checkpoint_with_epsilon(run, settings, workdir / train.CHECKPOINTS, scale)
+        ckpts = _checkpoint_with_epsilon(run, settings, workdir / run_lib.CHECKPOINTS, scale)
         try:
-            state, _ = train._restore_or_init(run, ckpts, settings, workdir, train_config)
-        except train.ResumeError as error:
+            state, _ = run_lib.restore_or_init(run, ckpts, settings, workdir, train_config)
+        except run_lib.ResumeError as error:
             assert scale != 1.0, f"the honest ledger was refused: {error}"
             said = repr(scale * run.compiled.epsilon_after(2))
             assert "the ledger of step 2 says epsilon" in str(error) and said in str(error)
@@ -238,14 +239,14 @@ def check_resume_refuses_a_wrong_ledger_epsilon(tmp_path):
             ckpts.close()
 
 
-@pytest.mark.parametrize("check", [train.check_ledger_epsilon, skip_epsilon_check],
+@pytest.mark.parametrize("check", [run_lib.check_ledger_epsilon, skip_epsilon_check],
                          ids=["check_ledger_epsilon", "broken_twin_skips_the_check"])
 def test_a_resume_refuses_a_ledger_epsilon_the_accountant_does_not_confirm(
         check, tmp_path, monkeypatch):
     """Guarantee 7: resuming re-checks the checkpoint ledger's epsilon with the accountant and
     refuses a mismatch with a clear error; a resume that skips the comparison fails the same
     check."""
-    monkeypatch.setattr(train, "check_ledger_epsilon", check)
+    monkeypatch.setattr(run_lib, "check_ledger_epsilon", check)
     expect_check(check_resume_refuses_a_wrong_ledger_epsilon, tmp_path,
                  broken=check is skip_epsilon_check)
 
@@ -254,9 +255,9 @@ def test_a_non_private_ledgers_infinite_epsilon_is_compared_as_a_number():
     """A run with sigma 0 (train.enforce_budget = False) spends epsilon inf, which its ledger
     stores as the string 'inf' (records.to_json): resuming it compared a str with a float
     (TypeError). It resumes, and any other number against it is refused."""
-    train.check_ledger_epsilon({"epsilon_spent": "inf"}, 4, math.inf)
-    with pytest.raises(train.ResumeError, match="says epsilon inf"):
-        train.check_ledger_epsilon({"epsilon_spent": "inf"}, 4, 2.5)
+    run_lib.check_ledger_epsilon({"epsilon_spent": "inf"}, 4, math.inf)
+    with pytest.raises(run_lib.ResumeError, match="says epsilon inf"):
+        run_lib.check_ledger_epsilon({"epsilon_spent": "inf"}, 4, 2.5)
 
 
 def test_gep_anchors_are_the_datasets_public_split():

@@ -12,8 +12,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from dpbench import methods
-from dpbench.protocol import load_protocol
+from dpbench.search import methods
+from dpbench.search.protocol import load_protocol
 
 
 def board_audits(protocol_path) -> tuple:

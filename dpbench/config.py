@@ -151,7 +151,7 @@ def parse_config(gin_files: Sequence[str], gin_bindings: Sequence[str]) -> None:
             gin.add_config_file_search_path(path)
     resolved = []
     for gin_file in gin_files:
-        # a method folder stands for its pipeline file (dpbench.methods)
+        # a method folder stands for its pipeline file (dpbench.search.methods)
         found = [path for path in (root / gin_file for root in _search_paths())
                  for path in (path, path / "pipeline.gin") if path.is_file()]
         if not found:

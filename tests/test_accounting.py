@@ -98,7 +98,7 @@ def test_the_search_epsilon_charges_every_runs_overflow_to_delta():
     """The search (trial 0 plus J ~ geometric(mean 3) trials of the same truncated run): its
     RDP is dp_accounting's repeat-and-select of the Poisson run, and (1 + 3) expected runs'
     overflow, times (1 + e^(eps + 1)), comes out of delta."""
-    from dpbench import tuning
+    from dpbench.search import tuning
     event, poisson, steps, overflow = _small_overflow_case(padded=168)  # 1.7e-10 a step
     got = tuning.search_epsilon(event, [event], mean_random=3.0, shape=1.0, delta=1e-5)
     orders = np.asarray(rdp_privacy_accountant.DEFAULT_RDP_ORDERS, dtype=np.float64)

@@ -494,7 +494,7 @@ def test_the_baseline_check_compares_with_another_configuration_never_the_rows_o
 
 def _write_seed0_outcomes(group, outcomes: dict) -> None:
     """(method, trial) -> seed-0 test accuracy, or None for a diverged run."""
-    from dpbench import tuning
+    from dpbench.search import tuning
     for (method, trial), accuracy in outcomes.items():
         run = group / tuning.run_dir_name(method, trial, 0)
         run.mkdir()
@@ -507,7 +507,7 @@ def _write_seed0_outcomes(group, outcomes: dict) -> None:
 def test_the_junk_rate_counts_diverged_and_far_below_random_trials_only(tmp_path):
     """Junk: a random trial (j >= 1, seed 0) more than 5 points below the group's best seed-0
     trial, or diverged; trial 0 and unpublished trials are not counted."""
-    from dpbench import tuning
+    from dpbench.search import tuning
     from dpbench.board import paired
     group = tmp_path / GROUP
     group.mkdir()
@@ -524,7 +524,7 @@ def test_the_junk_breakdown_names_each_methods_junk_and_measures_it_against_its_
     """Where junk lives: per method, its random trials > 5 points below the group's best (or
     diverged); and the count against each trial's own method's best seed-0 trial, which tells a
     weak method (all of whose trials sit far below the group) from a badly drawn space."""
-    from dpbench import tuning
+    from dpbench.search import tuning
     from dpbench.board import paired
     group = tmp_path / GROUP
     group.mkdir()

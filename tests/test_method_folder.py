@@ -1,4 +1,4 @@
-"""A method is a folder (dpbench.methods): a researcher adds one, in a folder of their own, with
+"""A method is a folder (dpbench.search.methods): a researcher adds one, in a folder of their own, with
 one stage module beside its pipeline, and puts it on a board next to DP-SGD through
 `dpbench sweep` and `dpbench board` without touching a file of the repository."""
 
@@ -10,8 +10,11 @@ import pytest
 from dp_accounting import dp_event
 from dp_accounting.pld import pld_privacy_accountant
 
-from dpbench import accounting, methods, protocol, tuning
-from dpbench.protocol import load_protocol
+from dpbench import accounting
+from dpbench.search import methods
+from dpbench.search import protocol
+from dpbench.search import tuning
+from dpbench.search.protocol import load_protocol
 from tests.conftest import REPO_ROOT
 
 STAGE_MODULE = textwrap.dedent('''

@@ -16,7 +16,8 @@ from dp_accounting.pld import common as pld_common
 from dp_accounting.pld import pld_privacy_accountant
 from dp_accounting.pld import privacy_loss_distribution as pld_lib
 
-from dpbench import config, methods, numerics, records, train
+from dpbench import config, numerics, records, train
+from dpbench.search import methods
 from dpbench import run as run_lib
 from tests.conftest import REPO_ROOT
 

@@ -5,9 +5,10 @@ import json
 import numpy as np
 import pytest
 
-from dpbench import search_space, tuning
-from dpbench.protocol import ProtocolError, at_epsilon, load_protocol
-from dpbench.search_space import shared_draw, trial_bindings
+from dpbench.search import space as search_space
+from dpbench.search import tuning
+from dpbench.search.protocol import ProtocolError, at_epsilon, load_protocol
+from dpbench.search.space import shared_draw, trial_bindings
 
 CLIP, LR = "clip.global_l2.l2_bound", "optimize.optax.learning_rate"
 

@@ -22,10 +22,14 @@ from dp_accounting import dp_event
 from dp_accounting.pld import pld_privacy_accountant
 from dp_accounting.rdp import rdp_privacy_accountant
 
-from dpbench import (accounting, config, methods, sweep, sweep_cost, sweep_plan, sweep_secret,
-                     tuning)
-from dpbench.protocol import ProtocolError, at_epsilon, load_protocol
-from dpbench.search_space import privacy_key, trial_bindings
+from dpbench import accounting, config, sweep
+from dpbench.search import methods
+from dpbench.search import tuning
+from dpbench.sweep import cost as sweep_cost
+from dpbench.sweep import plan as sweep_plan
+from dpbench.sweep import secret as sweep_secret
+from dpbench.search.protocol import ProtocolError, at_epsilon, load_protocol
+from dpbench.search.space import privacy_key, trial_bindings
 from tests.conftest import HANG_GUARD_S, run_guarded, wait_guarded
 
 GROUP = "digits__logistic__eps3.0__delta1e-05"
@@ -242,7 +246,7 @@ def test_a_fixed_k_board_states_its_deployments_secret_k_epsilon(finished_sweep,
         assert "overflow" in got["deployment_note"] and "overflow_stddevs" in got["deployment_note"]
         assert got["search_epsilon"] > 0  # K public: unaffected
     with pytest.raises(ProtocolError, match="deployment"):
-        from dpbench import protocol
+        from dpbench.search import protocol
         protocol._check_trial_law("p.json", {"fixed": 8, "deployment": {"mean_random": 7}})
 
 
@@ -841,7 +845,7 @@ def test_each_group_and_method_bootstraps_on_its_own_documented_stream(finished_
     from the group and method names (search_space.stable_seed(group, method, "boot")): the
     interval is the one recomputed here on that stream from the method's own outcomes, and one
     stream for every group and method (seeded 0) gives another."""
-    from dpbench import search_space
+    from dpbench.search import space as search_space
     from dpbench.board import paired, uncertainty
     _, group = _paired_board_records(finished_sweep, tmp_path)
     plan = json.loads((group / sweep.SEARCH_FILE).read_text())

@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 from dp_accounting import dp_event
 
-from dpbench import accounting, checkpoint, config, data, methods, records, run_record, train
+from dpbench import accounting, checkpoint, config, data, records, run_record, train
+from dpbench.search import methods
 from dpbench import run as run_lib
 from dpbench.config import TrainConfig, pipeline_stages
 from dpbench.run import build_run, run_settings

@@ -9,9 +9,10 @@ import scipy.stats
 from dp_accounting import dp_event
 from dp_accounting.rdp import rdp_privacy_accountant
 
-from dpbench import accounting, config, tuning
-from dpbench.protocol import ProtocolError, at_epsilon, load_protocol
-from dpbench.search_space import privacy_key, privacy_support, trial_bindings
+from dpbench import accounting, config
+from dpbench.search import tuning
+from dpbench.search.protocol import ProtocolError, at_epsilon, load_protocol
+from dpbench.search.space import privacy_key, privacy_support, trial_bindings
 
 # DESIGN.md section 7's run: DP-SGD at eps 3 on the tanh CNN (q 0.0186, sigma 1.276, 1612 steps)
 RUN = dp_event.SelfComposedDpEvent(

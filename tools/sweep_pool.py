@@ -61,7 +61,7 @@ def cpu_estimates(records: Path, groups) -> dict:
             method = path.parent.name.split("-t")[0]
             record = json.loads(path.read_text())
             wall = record.get("wall_time_s")
-            # dpbench.sweep_cost._on_gpu's rule, written out: this pool imports the dpbench of
+            # dpbench.sweep.cost._on_gpu's rule, written out: this pool imports the dpbench of
             # the group's (older) commit, which does not have it
             on_gpu = any(str(d).startswith(("cuda", "gpu", "rocm"))
                          for d in record.get("devices") or [])

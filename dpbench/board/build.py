@@ -9,16 +9,16 @@ import sys
 from pathlib import Path
 
 
-from dpbench import methods
+from dpbench.search import methods
 from dpbench import records as records_lib
-from dpbench import tuning
+from dpbench.search import tuning
 from dpbench.board import frozen, paired
 from dpbench.board.plots import plot_expected_best, plot_forest, plot_groups
 from dpbench.board.render import render_html, render_markdown
 from dpbench.board.results import (BASELINE, LeaderboardError, config_key,
                                    load_audits, load_perf, load_records, searches_in_progress,
                                    summarize)
-from dpbench.tuning import GROUP_PATTERN
+from dpbench.search.tuning import GROUP_PATTERN
 from dpbench.board.verdicts import (baseline_text, best_recorded_baseline, v1_gains,
                                     v3_table, verdict_tables, verdicts)
 

@@ -28,10 +28,12 @@ from pathlib import Path
 
 import numpy as np
 
-from dpbench import methods, search_space, tuning
+from dpbench.search import methods
+from dpbench.search import space as search_space
+from dpbench.search import tuning
 from dpbench.board import uncertainty
 from dpbench.board.results import BASELINE
-from dpbench.tuning import GROUP_PATTERN
+from dpbench.search.tuning import GROUP_PATTERN
 from dpbench.board.verdicts import baseline_check
 
 DRAWS = 100_000  # bootstrap draws per gain; each interval prints its ends' Monte Carlo error

@@ -9,8 +9,8 @@ from pathlib import Path
 import numpy as np
 
 from dpbench import records as records_lib
-from dpbench import tuning
-from dpbench.tuning import GROUP_PATTERN
+from dpbench.search import tuning
+from dpbench.search.tuning import GROUP_PATTERN
 
 
 def plot_groups(table: dict, out_dir: Path) -> dict:

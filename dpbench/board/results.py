@@ -12,8 +12,8 @@ from typing import Optional
 import numpy as np
 
 from dpbench import records as records_lib
-from dpbench import tuning
-from dpbench.tuning import GROUP_PATTERN
+from dpbench.search import tuning
+from dpbench.search.tuning import GROUP_PATTERN
 
 
 REQUIRED = ("pipeline", "dataset", "model", "target_epsilon", "epsilon", "delta",

@@ -27,7 +27,7 @@ from typing import Optional, Sequence
 import numpy as np
 import scipy.stats
 
-from dpbench.tuning import finished_score
+from dpbench.search.tuning import finished_score
 
 
 ALPHA = 0.05  # the board's family-wise error rate (Holm over every comparison it shows)

@@ -11,7 +11,7 @@ import scipy.stats
 from dpbench.board import uncertainty
 from dpbench.board.results import (BASELINE, config_key, config_label,
                                    load_records, summarize)
-from dpbench.tuning import GROUP_PATTERN
+from dpbench.search.tuning import GROUP_PATTERN
 
 
 def best_recorded_baseline(records, dataset: str, model: str, epsilon: float, delta: float,

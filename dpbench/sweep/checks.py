@@ -6,7 +6,7 @@ from __future__ import annotations
 import socket
 from pathlib import Path
 
-from dpbench.methods import REPO_ROOT as REPO
+from dpbench.search.methods import REPO_ROOT as REPO
 
 
 

@@ -10,7 +10,7 @@ import json
 import statistics
 from pathlib import Path
 
-from dpbench import tuning
+from dpbench.search import tuning
 
 
 def _segments(run_dir: Path) -> list:

@@ -7,9 +7,9 @@ import json
 from pathlib import Path
 
 from dpbench import records as records_lib
-from dpbench import tuning
-from dpbench.protocol import ProtocolError, at_epsilon
-from dpbench.search_space import privacy_support, trial_bindings
+from dpbench.search import tuning
+from dpbench.search.protocol import ProtocolError, at_epsilon
+from dpbench.search.space import privacy_support, trial_bindings
 
 SEARCH_FILE = tuning.SEARCH_FILE
 

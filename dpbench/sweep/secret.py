@@ -18,8 +18,8 @@ import json
 from pathlib import Path
 
 from dpbench import records as records_lib
-from dpbench import tuning
-from dpbench.methods import REPO_ROOT as REPO
+from dpbench.search import tuning
+from dpbench.search.methods import REPO_ROOT as REPO
 
 run_dir_name = tuning.run_dir_name
 

@@ -28,7 +28,7 @@ import dataclasses
 import json
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 BOARD_METHODS = REPO_ROOT / "pipelines"  # dpbench's own methods
 PIPELINE_FILE, METHOD_FILE, README_FILE = "pipeline.gin", "method.json", "README.md"
 METHOD_KEYS = {"paper", "claim", "claim_gain", "search", "audit", "about"}

@@ -6,7 +6,7 @@
   dpbench sweep --cost [--runs_dir=runs/sweep]   (core-hours the runs took, per group)
   dpbench sweep --progress [--records=DIR]       (where a sweep stands, from its records)
 
-Per group (family, epsilon) of the protocol (dpbench/tuning.py):
+Per group (family, epsilon) of the protocol (dpbench/search/tuning.py):
   1. prepare: J is drawn, every method's K = 1 + J trial bindings are fixed, and the event of
      every point of the space's privacy support is computed (no training); all of it goes to
      ``<records>/<group>/search.json`` once (a rerun checks the protocol has not changed);
@@ -36,16 +36,19 @@ import time
 from pathlib import Path
 
 from dpbench import records as records_lib
-from dpbench import sweep_cost, sweep_plan, sweep_secret, tuning
-from dpbench.protocol import ProtocolError, load_protocol
+from dpbench.search import tuning
+from dpbench.sweep import cost as sweep_cost
+from dpbench.sweep import plan as sweep_plan
+from dpbench.sweep import secret as sweep_secret
+from dpbench.search.protocol import ProtocolError, load_protocol
 # what the sweep refuses before it starts, and its advice on a failed trial (tests reach them
 # here)
-from dpbench.sweep_checks import (foreign_protocol_reason, retry_advice,  # noqa: F401
+from dpbench.sweep.checks import (foreign_protocol_reason, retry_advice,  # noqa: F401
                                   unreachable_reason)
 # what a search runs: search.json (re-exported: tests reach it here)
-from dpbench.sweep_plan import plan_group, prepare, support_event  # noqa: F401
+from dpbench.sweep.plan import plan_group, prepare, support_event  # noqa: F401
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 SEARCH_FILE, DIVERGED, run_dir_name = tuning.SEARCH_FILE, tuning.DIVERGED, tuning.run_dir_name
 LAUNCH_LOG = "launches.log"  # one line per dpbench run a trial started (tests read it)
 
@@ -329,6 +332,3 @@ def main(argv=None) -> int:
     print(f"sweep {'incomplete' if failed else 'done'} in {time.time() - t0:.0f}s", flush=True)
     return 1 if failed else 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

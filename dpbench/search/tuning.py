@@ -46,8 +46,8 @@ from dp_accounting.rdp import rdp_privacy_accountant
 
 from dpbench import accounting
 
-from dpbench.protocol import ProtocolError
-from dpbench.search_space import privacy_key, stable_seed
+from dpbench.search.protocol import ProtocolError
+from dpbench.search.space import privacy_key, stable_seed
 
 SEARCH_FILE = "search.json"  # a group's plan, beside its published runs
 DIVERGED = "diverged.json"   # what a run that diverged publishes instead of its record

@@ -1,6 +1,6 @@
 """The tuning protocol FILE: its schema, read and checked before anything trains or is written
 (every error names the file and the key, and says what to change). What the protocol MEANS
-(trial counts, the search's epsilon) is ``dpbench.tuning``.
+(trial counts, the search's epsilon) is ``dpbench.search.tuning``.
 
 Schema (JSON; docs/board-protocol.md has a complete 20-line example)::
 
@@ -18,12 +18,12 @@ Schema (JSON; docs/board-protocol.md has a complete 20-line example)::
                                        # "at_epsilon": {"1.0": [lo, hi]} or {"1.0":
                                        # {"range": [lo, hi], "source": "why"}} (a range's
                                        # own range for the groups at that target epsilon)
-         "methods": ["dpsgd", "mine"]}}}      # method folders (dpbench.methods)
+         "methods": ["dpsgd", "mine"]}}}      # method folders (dpbench.search.methods)
 
 A method may also be given inline, ``"methods": {"name": {"gin_file": ..., "space": ...}}``;
 a method's entry (its folder's method.json, per family) may ``exclude`` shared keys, bind one
 under its own name (``"shared_as": {"<shared key>": "<its key>"}``) and add or redefine keys in
-its own ``space`` (how trials are drawn and paired: ``dpbench.search_space``).
+its own ``space`` (how trials are drawn and paired: ``dpbench.search.space``).
 A space key that changes a run's DpEvent (batch size, epochs) must say ``"privacy": true`` and
 take finitely many values; the search's epsilon takes the worst of them.
 """
@@ -33,7 +33,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from dpbench import methods
+from dpbench.search import methods
 
 SPEC_KINDS = ("log_uniform", "uniform", "choice", "value")
 # space keys that always change a run's DpEvent: they must be declared "privacy": true

@@ -18,7 +18,8 @@ import json
 from pathlib import Path
 from typing import Sequence
 
-from dpbench import config, records, stage_check
+from dpbench import config, records
+from dpbench.compiler import check as stage_check
 from dpbench.compiler.rules import validate_pipeline
 from dpbench import train as train_lib
 

@@ -44,12 +44,12 @@ def main(argv) -> None:
 
 def check_main(argv) -> None:
     """``dpbench check --gin_file=...``: verifies the declaration of every stage of the pipeline
-    that is not dpbench's own (dpbench/stage_check.py) and says what each passed."""
+    that is not dpbench's own (dpbench/compiler/check.py) and says what each passed."""
     del argv
     if not FLAGS.gin_file:
         raise app.UsageError("give at least one --gin_file, e.g. my_methods/mine/pipeline.gin",
                              exitcode=config.BAD_INPUT_EXIT)
-    from dpbench import stage_check
+    from dpbench.compiler import check as stage_check
     try:
         config.parse_config(FLAGS.gin_file, FLAGS.gin_bindings)
         name, stages = config.pipeline_stages()

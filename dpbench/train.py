@@ -14,7 +14,8 @@ import jax.numpy as jnp
 import numpy as np
 from absl import logging
 
-from dpbench import accounting, checkpoint, data, numerics, records, run_record, stage_check
+from dpbench import accounting, checkpoint, data, numerics, records, run_record
+from dpbench.compiler import check as stage_check
 from dpbench.compiler.rules import validate_pipeline
 from dpbench.config import TrainConfig, pipeline_stages
 from dpbench.run import Progress, Run, start as start_run

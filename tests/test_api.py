@@ -8,7 +8,8 @@ import textwrap
 
 import pytest
 
-from dpbench import api, config, stage_check
+from dpbench import api, config
+from dpbench.compiler import check as stage_check
 from tests.conftest import REPO_ROOT, run_guarded
 
 

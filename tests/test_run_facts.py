@@ -8,7 +8,8 @@ from types import MappingProxyType
 
 import pytest
 
-from dpbench import accounting, config, run, stage_check
+from dpbench import accounting, config, run
+from dpbench.compiler import check as stage_check
 from dpbench.compiler import PipelineError, account_only, bind, compile_pipeline, facts
 from dpbench.stages.base import Hooks, Kind, Privacy, Stage, StageFns, StepContext
 from tests.test_pipelines import golden_run
@@ -98,3 +99,11 @@ def test_a_stage_reads_only_the_facts_it_names_and_an_absent_one_is_refused():
     with pytest.raises(PipelineError, match=r"'select.gip' needs the run fact 'target_epsilon'"
                                             r".*leave train.noise_multiplier unset"):
         run.build_run(config.pipeline_stages()[1], config.TrainConfig(), accounting.Budget())
+
+
+def test_needs_is_a_set_of_names_not_a_string():
+    """A string would read as its letters (needs='loss_fn' as {'l', 'o', ...}): refused where
+    the stage is declared, saying how to write it."""
+    with pytest.raises(TypeError, match=r"needs is a set of run fact names, e.g. \{'loss_fn'\}"):
+        Stage(name="test.typo", kind_in=Kind.PER_EXAMPLE, kind_out=Kind.PER_EXAMPLE,
+              make=lambda run_facts: None, needs="loss_fn")

@@ -1,4 +1,4 @@
-"""The stage contract (dpbench/stage_check.py, what `dpbench check` and every run verify for a
+"""The stage contract (dpbench/compiler/check.py, what `dpbench check` and every run verify for a
 stage that is not dpbench's own), checked for EVERY registered stage (a new one is covered with
 no edit here), and on broken twins that must fail it.
 
@@ -32,9 +32,9 @@ import jax.numpy as jnp
 import pytest
 
 from dpbench import stages
-from dpbench.stage_check import (StageCheckError, check_bound, check_elementwise_declaration,
-                                 check_jit, check_layer_clip, check_mask_declaration,
-                                 check_state, harness_for)
+from dpbench.compiler.check import (StageCheckError, check_bound,
+                                    check_elementwise_declaration, check_jit, check_layer_clip,
+                                    check_mask_declaration, check_state, harness_for)
 from dpbench.stages.base import Kind, registered_stage, registered_stage_names
 
 K = Kind

@@ -154,7 +154,7 @@ FLOORS = {
     "search": ("dpbench.search",),
     "board": ("dpbench.board",),
     "run": ("dpbench.config", "dpbench.run", "dpbench.run_record", "dpbench.train",
-            "dpbench.stage_check", "dpbench.audit", "dpbench.api"),
+            "dpbench.audit", "dpbench.api"),
     "sweep": ("dpbench.sweep",),
     "cli": ("dpbench", "dpbench.main"),
 }
@@ -166,7 +166,7 @@ MAY_IMPORT = {
     "search": ("core",),
     "board": ("core", "search"),
     "run": ("core", "models/data", "stages", "compiler", "search"),
-    "sweep": ("core", "search", "run", "board"),
+    "sweep": ("core", "compiler", "search", "run", "board"),
     "cli": tuple(FLOORS),
 }
 

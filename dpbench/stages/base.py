@@ -146,7 +146,7 @@ class Hooks(NamedTuple):
       coordinate, reading no position, state or key (Nasr's ternary): that scalar function
       (jnp arrays in and out, elementwise). The compiler may then apply it to a gradient whose
       leaves are laid out differently (book-keeping's outputs-first kernels), since such a map
-      commutes with any reordering of the coordinates (stage_check tests it equals ``apply``).
+      commutes with any reordering of the coordinates (compiler/check.py tests it equals ``apply``).
     """
 
     begin_step: Optional[Callable] = None

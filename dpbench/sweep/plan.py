@@ -20,7 +20,8 @@ def check_trials(method: str, gin_files, trials, run_bindings) -> None:
     misspelled key is refused here, not as a failed trial; and the pipeline those files name
     is ``method`` (the board ranks records by their pipeline's name); and trial 0's stages that
     are not dpbench's own pass their declaration checks (each trial's run checks its own)."""
-    from dpbench import config, stage_check
+    from dpbench import config
+    from dpbench.compiler import check as stage_check
 
     for t, bindings in enumerate(trials):
         try:

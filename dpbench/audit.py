@@ -39,10 +39,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import scipy.stats
-from absl import app, flags, logging
+from absl import logging
 from dp_accounting import dp_event
 
-from dpbench import accounting, config, data, models, records, sampling, sharding
+from dpbench import accounting, cli_args, config, data, models, records, sampling, sharding
 from dpbench.compiler.facts import RunInputs
 from dpbench.compiler.pipeline import compile_pipeline
 from dpbench.compiler.rules import PipelineError
@@ -286,44 +286,52 @@ def _get(tree, path):
     return tree
 
 
-FLAGS = flags.FLAGS
+def flag_parser() -> cli_args.FlagParser:
+    """``dpbench audit``'s flags."""
+    parser = cli_args.FlagParser("dpbench audit", "audit a pipeline's compiled step with a "
+                                 "canary: an empirical epsilon lower bound")
+    cli_args.add_gin_flags(parser)
+    parser.add_argument("--trials", type=int, default=2000,
+                        help="one-step runs (half with the canary)")
+    parser.add_argument("--claimed_epsilon", type=float, default=3.0,
+                        help="the audited step's target epsilon")
+    parser.add_argument("--audit_delta", type=float, default=None,
+                        help="delta of the claim and of the bound (default: the config's "
+                             "budget.delta, e.g. DELTA in gin/data/digits.gin)")
+    parser.add_argument("--audit_seed", type=int, default=0,
+                        help="seed of the audit's data, keys and assignment")
+    parser.add_argument("--out", default=None, help="write the audit report (JSON) here")
+    parser.add_argument("--board", action="store_true",
+                        help="audit the board's column instead: every method of --protocol at "
+                             "every epsilon it declares, as each method.json says, one report "
+                             "per (method, epsilon) in --audits_dir")
+    parser.add_argument("--protocol", default=str(config.REPO_ROOT / "leaderboard" /
+                                                  "protocol.json"),
+                        help="with --board: the protocol whose methods and epsilons are audited")
+    parser.add_argument("--audits_dir", default=None,
+                        help="with --board: where the reports go (default: the audits/ folder "
+                             "beside --protocol)")
+    return parser
 
 
-def define_flags() -> None:
-    if "trials" in FLAGS:
-        return
-    flags.DEFINE_integer("trials", 2000, "One-step runs (half with the canary).")
-    flags.DEFINE_float("claimed_epsilon", 3.0, "The audited step's target epsilon.")
-    flags.DEFINE_float("audit_delta", None, "Delta of the claim and of the bound (default: "
-                       "the config's budget.delta, e.g. DELTA in gin/data/digits.gin).")
-    flags.DEFINE_integer("audit_seed", 0, "Seed of the audit's data, keys and assignment.")
-    flags.DEFINE_string("out", None, "Write the audit report (JSON) here.")
-    flags.DEFINE_bool("board", False, "Audit the board's column instead: every method of "
-                      "--protocol at every epsilon it declares, as each method.json says, one "
-                      "report per (method, epsilon) in --audits_dir.")
-    flags.DEFINE_string("protocol", str(config.REPO_ROOT / "leaderboard" / "protocol.json"),
-                        "With --board: the protocol whose methods and epsilons are audited.")
-    flags.DEFINE_string("audits_dir", None, "With --board: where the reports go (default: "
-                        "the audits/ folder beside --protocol).")
-
-
-def _configured_delta() -> float:
+def _configured_delta(claimed_epsilon: float) -> float:
     """The parsed config's budget.delta: the audit claims the delta the run would claim."""
     try:
-        return accounting.Budget(epsilon=FLAGS.claimed_epsilon).delta
+        return accounting.Budget(epsilon=claimed_epsilon).delta
     except (TypeError, RuntimeError, ValueError) as e:  # gin: budget.delta left unbound
         raise config.ConfigError(f"the config binds no budget.delta ({e}); bind it (e.g. "
                                  "--gin_bindings='DELTA = 1e-5') or give --audit_delta") from e
 
 
-def _audit_one(gin_files, bindings, claimed_epsilon: float, delta, out) -> bool:
+def _audit_one(gin_files, bindings, claimed_epsilon: float, delta, out, trials: int,
+               seed: int) -> bool:
     """One pipeline's audit: parses its config, runs it, writes (``out``) and prints the
     report; returns whether it flagged. Bad input raises (``audit_main`` exits 2)."""
     config.parse_config(list(gin_files), list(bindings) + list(AUDIT_BINDINGS))
     name, stages = config.pipeline_stages()
     result = run_audit(stages, claimed_epsilon=claimed_epsilon,
-                       delta=_configured_delta() if delta is None else delta,
-                       trials=FLAGS.trials, seed=FLAGS.audit_seed)
+                       delta=_configured_delta(claimed_epsilon) if delta is None else delta,
+                       trials=trials, seed=seed)
     report = dict(pipeline=name, gin_files=list(gin_files), gin_bindings=list(bindings),
                   audit_settings=list(AUDIT_BINDINGS), **result.to_dict(),
                   versions=records.versions())
@@ -342,29 +350,29 @@ def _audit_one(gin_files, bindings, claimed_epsilon: float, delta, out) -> bool:
     return result.flagged
 
 
-def audit_main(argv) -> None:
+def audit_main(args) -> None:
     """``dpbench audit --gin_file=pipelines/X.gin [--gin_bindings=...]``: prints (and with
     --out writes) the report; ``dpbench audit --board``: the board's column (audit_board.py).
     Exits 1 when an audit flags, 2 on bad input."""
-    del argv
     bad = (config.ConfigError, PipelineError, accounting.BudgetError, ValueError)
-    if FLAGS.board:
+    if args.board:
         from dpbench import audit_board
-        protocol = Path(FLAGS.protocol)
+        protocol = Path(args.protocol)
         try:
             sys.exit(audit_board.run_board(
-                protocol, FLAGS.audits_dir or protocol.parent / "audits",
+                protocol, args.audits_dir or protocol.parent / "audits",
                 lambda gin_file, bindings, eps, delta, out: _audit_one(
-                    [gin_file], bindings, eps, delta, out)))
+                    [gin_file], bindings, eps, delta, out, args.trials, args.audit_seed)))
         except bad as e:
             print(f"dpbench: error: {e}", file=sys.stderr)
             sys.exit(2)
-    if not FLAGS.gin_file:
-        raise app.UsageError("give --gin_file, e.g. pipelines/dpsgd/pipeline.gin (or --board)",
-                             exitcode=config.BAD_INPUT_EXIT)
+    if not args.gin_file:
+        print("dpbench: error: give --gin_file, e.g. pipelines/dpsgd/pipeline.gin (or --board)",
+              file=sys.stderr)
+        sys.exit(cli_args.BAD_INPUT_EXIT)
     try:
-        flagged = _audit_one(FLAGS.gin_file, FLAGS.gin_bindings, FLAGS.claimed_epsilon,
-                             FLAGS.audit_delta, FLAGS.out)
+        flagged = _audit_one(args.gin_file, args.gin_bindings, args.claimed_epsilon,
+                             args.audit_delta, args.out, args.trials, args.audit_seed)
     except bad as e:
         print(f"dpbench: error: {e}", file=sys.stderr)
         sys.exit(2)
@@ -372,9 +380,11 @@ def audit_main(argv) -> None:
         sys.exit(1)
 
 
-def run() -> None:
-    define_flags()
-    app.run(audit_main, flags_parser=config.parse_flags_or_exit)
+def run(argv=None) -> None:
+    """``dpbench audit [flags]`` (``argv``: its flags, default the process's)."""
+    args = flag_parser().parse_args(sys.argv[1:] if argv is None else argv)
+    cli_args.start_logging()
+    audit_main(args)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
-"""Configuration in one place: gin parsing with clear errors, the command-line flags for gin
-files and bindings, the ``pipeline`` and ``train`` configurables, and the repository root.
+"""Configuration in one place: gin parsing with clear errors, the ``pipeline`` and ``train``
+configurables, and the repository root (the flags for gin files and bindings are
+``cli_args.add_gin_flags``).
 
 Every entry point (``dpbench``, ``dpbench audit``, the speed benchmark, the sweep) parses gin
 through :func:`parse_config`. This module imports only the modules that declare configurables
@@ -17,7 +18,6 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 import gin
-from absl import flags
 
 # Imported for their gin configurables (budget, dataset, model, sampler, the stages).
 from dpbench import accounting, data, models, sampling, wide_resnet  # noqa: F401
@@ -25,23 +25,6 @@ import dpbench.stages  # noqa: F401
 from dpbench.stages.base import Stage, registered_stage_names
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-
-flags.DEFINE_multi_string("gin_file", [], "Gin files, applied in order (later ones override).")
-flags.DEFINE_multi_string("gin_bindings", [], "Gin bindings, applied after the files.")
-
-BAD_INPUT_EXIT = 2  # every dpbench command's exit status on bad input (audit's 1 is 'flagged')
-
-
-def parse_flags_or_exit(argv: list) -> list:
-    """absl's flag parsing (``app.run(..., flags_parser=)``), except that an unknown or
-    malformed flag is bad input like any other: ``dpbench: error: ...`` and exit 2 (absl's
-    own exit status 1 would read as 'flagged' from ``dpbench audit``)."""
-    try:
-        return flags.FLAGS(argv)
-    except flags.Error as e:
-        print(f"dpbench: error: {e} ({argv[0]} --help lists the flags)", file=sys.stderr)
-        sys.exit(BAD_INPUT_EXIT)
-
 
 class ConfigError(ValueError):
     """A configuration that cannot run; the message says what to change."""

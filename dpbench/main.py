@@ -5,29 +5,38 @@ from __future__ import annotations
 
 import sys
 
-from absl import app, flags, logging
+from absl import logging
 
-from dpbench import accounting, checkpoint, config, train
+from dpbench import accounting, checkpoint, cli_args, config, train
 from dpbench.compiler.rules import PipelineError, validate_pipeline
 
-FLAGS = flags.FLAGS
-flags.DEFINE_string("workdir", None, "Where the run writes its config, checkpoints, metrics "
-                    "and record. An unfinished run there is resumed.")
-flags.DEFINE_bool("overwrite", False, "Start again in a --workdir that holds a finished run "
-                  "(the old run is moved to <workdir>/superseded/, never deleted).")
+
+def _train_parser() -> cli_args.FlagParser:
+    parser = cli_args.FlagParser("dpbench train", COMMANDS["train"])
+    cli_args.add_gin_flags(parser)
+    parser.add_argument("--workdir", default=None,
+                        help="where the run writes its config, checkpoints, metrics and "
+                             "record; an unfinished run there is resumed (required)")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="start again in a --workdir that holds a finished run (the old "
+                             "run is moved to <workdir>/superseded/, never deleted)")
+    return parser
 
 
-def main(argv) -> None:
-    del argv
-    if not FLAGS.workdir:
-        raise app.UsageError("--workdir is required (where the run writes its record)",
-                             exitcode=config.BAD_INPUT_EXIT)
-    if not FLAGS.gin_file:
-        raise app.UsageError("give at least one --gin_file, e.g. pipelines/dpsgd/pipeline.gin",
-                             exitcode=config.BAD_INPUT_EXIT)
+def _check_parser() -> cli_args.FlagParser:
+    parser = cli_args.FlagParser("dpbench check", COMMANDS["check"])
+    cli_args.add_gin_flags(parser)
+    return parser
+
+
+def main(args) -> None:
+    if not args.workdir:
+        _bad_input("--workdir is required (where the run writes its record)")
+    if not args.gin_file:
+        _bad_input("give at least one --gin_file, e.g. pipelines/dpsgd/pipeline.gin")
     try:
-        config.parse_config(FLAGS.gin_file, FLAGS.gin_bindings)
-        train.train(FLAGS.workdir, gin_files=FLAGS.gin_file, overwrite=FLAGS.overwrite)
+        config.parse_config(args.gin_file, args.gin_bindings)
+        train.train(args.workdir, gin_files=args.gin_file, overwrite=args.overwrite)
     except (config.ConfigError, PipelineError, accounting.BudgetError, FileNotFoundError,
             FileExistsError, ValueError, checkpoint.CheckpointError,
             train.TrainingDiverged) as e:
@@ -37,21 +46,24 @@ def main(argv) -> None:
     except KeyboardInterrupt:
         # Ctrl-C: every checkpoint and record is written atomically, so what was saved is
         # intact; say how to go on, not where Python was (128 + SIGINT, as shells report it)
-        print(f"dpbench: interrupted; rerun the same command to resume {FLAGS.workdir} from "
+        print(f"dpbench: interrupted; rerun the same command to resume {args.workdir} from "
               "its last checkpoint", file=sys.stderr)
         sys.exit(130)
 
 
-def check_main(argv) -> None:
+def _bad_input(message: str) -> None:
+    print(f"dpbench: error: {message}", file=sys.stderr)
+    sys.exit(cli_args.BAD_INPUT_EXIT)
+
+
+def check_main(args) -> None:
     """``dpbench check --gin_file=...``: verifies the declaration of every stage of the pipeline
     that is not dpbench's own (dpbench/compiler/check.py) and says what each passed."""
-    del argv
-    if not FLAGS.gin_file:
-        raise app.UsageError("give at least one --gin_file, e.g. my_methods/mine/pipeline.gin",
-                             exitcode=config.BAD_INPUT_EXIT)
+    if not args.gin_file:
+        _bad_input("give at least one --gin_file, e.g. my_methods/mine/pipeline.gin")
     from dpbench.compiler import check as stage_check
     try:
-        config.parse_config(FLAGS.gin_file, FLAGS.gin_bindings)
+        config.parse_config(args.gin_file, args.gin_bindings)
         name, stages = config.pipeline_stages()
         validate_pipeline(stages)
         outside = {s.name for s in stage_check.unverified_stages(stages)}
@@ -109,18 +121,17 @@ def run():
     if command == "sweep":
         from dpbench import sweep
         sys.exit(sweep.main(rest))
-    sys.argv = [f"{sys.argv[0]} {command}"] + rest
     if command == "audit":
         from dpbench import audit
-        if {"-h", "--help"} & set(rest):
-            audit.define_flags()
-            sys.exit(_flags_help(command, COMMANDS[command], ("dpbench.config", "dpbench.audit")))
-        audit.run()
+        audit.run(rest)
         return
+    parser = _check_parser() if command == "check" else _train_parser()
     if {"-h", "--help"} & set(rest):
-        _flags_help(command, COMMANDS[command], ("dpbench.config", "dpbench.main"))
+        parser.print_help()
         sys.exit(_registered_help(rest))
-    app.run(check_main if command == "check" else main, flags_parser=config.parse_flags_or_exit)
+    args = parser.parse_args(rest)
+    cli_args.start_logging()
+    (check_main if command == "check" else main)(args)
 
 
 def _registered_help(rest: list) -> int:
@@ -134,19 +145,10 @@ def _registered_help(rest: list) -> int:
             config.parse_config(gin_files, [])
         except config.ConfigError as e:
             print(f"dpbench: error: {e}", file=sys.stderr)
-            return config.BAD_INPUT_EXIT
+            return cli_args.BAD_INPUT_EXIT
     print("models (model.name):", ", ".join(models.registered_models()))
     print("datasets (dataset.name):", ", ".join(data.registered_datasets()))
     print("stages:", ", ".join(registered_stage_names()))
-    return 0
-
-
-def _flags_help(command: str, what: str, modules: tuple) -> int:
-    """absl's own --help lists the flags of ``__main__`` only, which for a console script is
-    the wrapper: print dpbench's flags of this command, with their meaning and default."""
-    print(f"usage: dpbench {command} [flags]\n\n{what}\n")
-    for module in modules:
-        print(FLAGS.module_help(module))
     return 0
 
 

@@ -63,8 +63,8 @@ def test_a_run_that_diverges_exits_2_with_the_error_and_no_record(tmp_path):
 
 
 @pytest.mark.parametrize("args,message", [
-    (["train", "--bogus=1", "--workdir=unused"], "dpbench: error: Unknown command line flag"),
-    (["audit", "--bogus=1"], "dpbench: error: Unknown command line flag"),  # 1 means flagged
+    (["train", "--bogus=1", "--workdir=unused"], "dpbench: error: unrecognized arguments: --bogus"),
+    (["audit", "--bogus=1"], "dpbench: error: unrecognized arguments: --bogus"),  # 1: flagged
     (["check"], "give at least one --gin_file"),
 ])
 def test_a_bad_or_missing_flag_exits_2_naming_it(args, message, tmp_path):
@@ -147,10 +147,11 @@ def test_an_unknown_command_says_which_exist(monkeypatch, capsys):
 
 
 @pytest.mark.parametrize("command,flag,default", [
-    ("train", "--workdir", None), ("train", "--gin_file", "(default: '[]')"),
+    ("train", "--workdir", None), ("train", "--gin_file", "(default: [])"),
     ("board", "--records", f"(default: {REPO_ROOT / 'leaderboard' / 'records'})"),
     ("board", "--out", "(default: the folder holding --records)"),
-    ("audit", "--claimed_epsilon", "(default: '3.0')")])
+    ("audit", "--claimed_epsilon", "(default: 3.0)"), ("sweep", "--runs_dir", "(default: "),
+    ("check", "--gin_bindings", "(default: [])")])
 def test_each_commands_help_gives_its_flags_with_their_defaults(command, flag, default,
                                                                  monkeypatch, capsys):
     if command == "audit":  # its absl flags (--out) would clash with another module's here

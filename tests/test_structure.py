@@ -147,7 +147,8 @@ def test_the_board_reads_records_without_the_compiler_transitively():
 # import only its own floor and the floors listed for it.
 FLOORS = {
     "core": ("dpbench.accounting", "dpbench.exact", "dpbench.ops", "dpbench.records",
-             "dpbench.sampling", "dpbench.sharding", "dpbench.numerics", "dpbench.checkpoint"),
+             "dpbench.sampling", "dpbench.sharding", "dpbench.numerics", "dpbench.checkpoint",
+             "dpbench.cli_args"),
     "models/data": ("dpbench.models", "dpbench.wide_resnet", "dpbench.data", "dpbench.features"),
     "stages": ("dpbench.stages",),
     "compiler": ("dpbench.compiler",),

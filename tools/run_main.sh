@@ -5,4 +5,4 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash tools/install.sh
 workdir="${WORKDIR:-runs/dpsgd-fashion_mnist-eps3-$(date +%Y%m%d-%H%M%S)}"
-exec .venv/bin/dpbench --gin_file=pipelines/dpsgd/pipeline.gin --workdir="$workdir" --alsologtostderr "$@"
+exec .venv/bin/dpbench --gin_file=pipelines/dpsgd/pipeline.gin --workdir="$workdir" "$@"

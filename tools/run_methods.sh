@@ -10,6 +10,6 @@ mkdir -p "$out"
 names="${PIPELINES:-$(cd pipelines && ls -d */ | tr -d /)}"
 for name in $names; do
   .venv/bin/dpbench --gin_file="pipelines/$name" --gin_bindings="EPSILON = ${eps}" \
-    --workdir="$out/$name" --alsologtostderr 2> "$out/$name.log" || echo "$name failed" >&2
+    --workdir="$out/$name" 2> "$out/$name.log" || echo "$name failed" >&2
 done
 .venv/bin/python tools/summarize_runs.py "$out"/*

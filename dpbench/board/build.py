@@ -270,10 +270,9 @@ def resolve_paths(args) -> str | None:
 
 
 def main(argv=None) -> int:
-    import argparse
-    parser = argparse.ArgumentParser(prog="dpbench board", description=(
-        "The leaderboard: run records in, README.md + index.html + plots out."),
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    from dpbench.cli_args import FlagParser
+    parser = FlagParser("dpbench board", "The leaderboard: run records in, README.md + "
+                        "index.html + plots out.")
     parser.add_argument("--records", default=str(BOARD / "records"),
                         help="the run records, in group directories "
                              "<dataset>__<model>__eps<E>__delta<D>")

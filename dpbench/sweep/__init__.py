@@ -36,6 +36,7 @@ import time
 from pathlib import Path
 
 from dpbench import records as records_lib
+from dpbench.cli_args import FlagParser
 from dpbench.search import tuning
 from dpbench.sweep import cost as sweep_cost
 from dpbench.sweep import plan as sweep_plan
@@ -222,12 +223,11 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def _parser():
-    parser = argparse.ArgumentParser(
-        prog="dpbench sweep", usage="dpbench sweep [run|prepare|secret|progress|cost] [flags]",
-        description=__doc__.split("\n")[0] + " Modes: run (the default: search, then the "
+    parser = FlagParser(
+        "dpbench sweep", __doc__.split("\n")[0] + " Modes: run (the default: search, then the "
         "winners' seeds), prepare (= --prepare_only), secret (= --secret_trial_count), "
         "progress (= --progress), cost (= --cost).",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        usage="dpbench sweep [run|prepare|secret|progress|cost] [flags]")
     parser.add_argument("--protocol", type=Path, default=REPO / "leaderboard" / "protocol.json",
                         help="the tuning protocol (families, methods, search spaces, trials)")
     parser.add_argument("--families", nargs="+", default=None,

@@ -26,6 +26,7 @@ from dpbench import accounting, config, sweep
 from dpbench.search import methods
 from dpbench.search import tuning
 from dpbench.sweep import cost as sweep_cost
+from dpbench.sweep import checks as sweep_checks
 from dpbench.sweep import plan as sweep_plan
 from dpbench.sweep import secret as sweep_secret
 from dpbench.search.protocol import ProtocolError, at_epsilon, load_protocol
@@ -360,16 +361,16 @@ def test_a_changed_protocol_is_refused_once_a_search_began(tmp_path):
     two searches (their trials, and so their epsilon, would differ)."""
     protocol = json.loads(json.dumps(PROTOCOL))
     protocol["families"]["digits__logistic"]["methods"].pop("rs")
-    plan = sweep.prepare(protocol, "digits__logistic", 3.0, ["dpsgd"], tmp_path)
+    plan = sweep_plan.prepare(protocol, "digits__logistic", 3.0, ["dpsgd"], tmp_path)
     assert plan["num_trials"] == 2 and len(plan["methods"]["dpsgd"]["support"]) == 1
-    assert sweep.prepare(protocol, "digits__logistic", 3.0, ["dpsgd"], tmp_path) == plan
+    assert sweep_plan.prepare(protocol, "digits__logistic", 3.0, ["dpsgd"], tmp_path) == plan
     # a range of its own for epsilon 1 leaves this group's search as it was, and an epsilon-1
     # group stores the range in force there (search.json never holds "at_epsilon")
     revised = json.loads(json.dumps(protocol))
     lr = revised["families"]["digits__logistic"]["space"]["optimize.optax.learning_rate"]
     lr["at_epsilon"] = {"1.0": [0.01, 0.02]}
-    assert sweep.prepare(revised, "digits__logistic", 3.0, ["dpsgd"], tmp_path) == plan
-    at_one = sweep.prepare(revised, "digits__logistic", 1.0, ["dpsgd"], tmp_path)
+    assert sweep_plan.prepare(revised, "digits__logistic", 3.0, ["dpsgd"], tmp_path) == plan
+    at_one = sweep_plan.prepare(revised, "digits__logistic", 1.0, ["dpsgd"], tmp_path)
     assert at_one["family_spec"]["space"]["optimize.optax.learning_rate"] == {
         "log_uniform": [0.01, 0.02]}
     drawn = dict(b.split(" = ") for b in at_one["methods"]["dpsgd"]["trials"][1])
@@ -377,7 +378,7 @@ def test_a_changed_protocol_is_refused_once_a_search_began(tmp_path):
     protocol["families"]["digits__logistic"]["space"]["optimize.optax.learning_rate"] = {
         "log_uniform": [0.1, 1.0]}
     with pytest.raises(ProtocolError, match="the protocol changed") as e:
-        sweep.prepare(protocol, "digits__logistic", 3.0, ["dpsgd"], tmp_path)
+        sweep_plan.prepare(protocol, "digits__logistic", 3.0, ["dpsgd"], tmp_path)
     assert str(tmp_path / GROUP / sweep.SEARCH_FILE) in str(e.value)
 
 
@@ -475,8 +476,8 @@ def test_an_unreachable_ray_address_is_refused_at_once_with_one_line(tmp_path, c
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and "no Ray cluster answers at --address=127.0.0.1:1" in err
     assert not (tmp_path / "records").exists()
-    assert sweep.unreachable_reason("auto") is None
-    assert "is not host:port" in sweep.unreachable_reason("localhost")
+    assert sweep_checks.unreachable_reason("auto") is None
+    assert "is not host:port" in sweep_checks.unreachable_reason("localhost")
 
 
 @pytest.mark.parametrize("break_it,match", [
@@ -492,7 +493,7 @@ def test_a_protocol_typo_or_a_misnamed_method_is_refused_before_anything_is_writ
     break_it(family)
     method = next(iter(family["methods"]))
     with pytest.raises(ProtocolError, match=match):
-        sweep.prepare(protocol, "digits__logistic", 3.0, [method], tmp_path)
+        sweep_plan.prepare(protocol, "digits__logistic", 3.0, [method], tmp_path)
     assert not (tmp_path / GROUP).exists()
 
 
@@ -506,10 +507,10 @@ def test_a_users_protocol_never_publishes_into_the_committed_board_by_default(tm
     assert after == before
     # the board's own protocol, another records dir, or the explicit flag: no objection
     official = config.REPO_ROOT / "leaderboard"
-    assert sweep.foreign_protocol_reason(official / "protocol.json", official / "records",
+    assert sweep_checks.foreign_protocol_reason(official / "protocol.json", official / "records",
                                          False) is None
-    assert sweep.foreign_protocol_reason(tmp_path / "protocol.json", tmp_path, False) is None
-    assert sweep.foreign_protocol_reason(tmp_path / "protocol.json", official / "records",
+    assert sweep_checks.foreign_protocol_reason(tmp_path / "protocol.json", tmp_path, False) is None
+    assert sweep_checks.foreign_protocol_reason(tmp_path / "protocol.json", official / "records",
                                          True) is None
 
 
@@ -594,8 +595,8 @@ def test_a_publish_that_fails_half_way_leaves_no_record(tmp_path, monkeypatch):
 def test_a_failed_trial_says_whether_a_rerun_can_help():
     refused = "RuntimeError: rs-t1-seed0 failed (exit 2); log: /x.log:\nBudgetError: ..."
     crashed = "RuntimeError: rs-t1-seed0 failed (exit -9); log: /x.log:\n"
-    assert "a rerun fails the same way" in sweep.retry_advice(refused)
-    assert "rerun the same command" in sweep.retry_advice(crashed)
+    assert "a rerun fails the same way" in sweep_checks.retry_advice(refused)
+    assert "rerun the same command" in sweep_checks.retry_advice(crashed)
 
 
 # Loaded first by every Python process that has its folder on PYTHONPATH: logs each seed a

@@ -42,12 +42,8 @@ from dpbench.sweep import cost as sweep_cost
 from dpbench.sweep import plan as sweep_plan
 from dpbench.sweep import secret as sweep_secret
 from dpbench.search.protocol import ProtocolError, load_protocol
-# what the sweep refuses before it starts, and its advice on a failed trial (tests reach them
-# here)
-from dpbench.sweep.checks import (foreign_protocol_reason, retry_advice,  # noqa: F401
-                                  unreachable_reason)
-# what a search runs: search.json (re-exported: tests reach it here)
-from dpbench.sweep.plan import plan_group, prepare, support_event  # noqa: F401
+from dpbench.sweep.checks import foreign_protocol_reason, retry_advice, unreachable_reason
+from dpbench.sweep.plan import prepare
 
 REPO = Path(__file__).resolve().parents[2]
 SEARCH_FILE, DIVERGED, run_dir_name = tuning.SEARCH_FILE, tuning.DIVERGED, tuning.run_dir_name

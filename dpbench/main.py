@@ -128,6 +128,7 @@ def run():
     parser = _check_parser() if command == "check" else _train_parser()
     if {"-h", "--help"} & set(rest):
         parser.print_help()
+        print()
         sys.exit(_registered_help(rest))
     args = parser.parse_args(rest)
     cli_args.start_logging()

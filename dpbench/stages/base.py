@@ -206,6 +206,9 @@ class Stage:
             raise TypeError(f"stage {self.name!r}: needs is a set of run fact names, e.g. "
                             f"{{{self.needs!r}}}, not a string")
         object.__setattr__(self, "needs", frozenset(self.needs))
+        if isinstance(self.privacy, Privacy):  # a set literal is fine to write; kept frozen
+            object.__setattr__(self, "privacy", self.privacy._replace(
+                public_mask=frozenset(self.privacy.public_mask)))
 
     @property
     def per_example(self) -> bool:

@@ -121,7 +121,8 @@ def torch_settings(options: Options) -> dict:
                 optimizer=dict(optimizer=optimizer["optimizer"],
                                learning_rate=optimizer["learning_rate"],
                                momentum=optimizer["momentum"], nesterov=optimizer["nesterov"]),
-                l2_bound=clip[0].privacy.l2_bound, seed=config.seed if config.seed is not None else 0)
+                l2_bound=clip[0].privacy.l2_bound,
+                seed=config.seed if config.seed is not None else 0)
 
 
 def torch_available() -> Optional[str]:

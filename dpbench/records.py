@@ -185,9 +185,10 @@ def privacy_statement(*, epsilon: float, delta: float, mechanisms: list, sampler
     non-private diagnostics, ...); ``inputs`` lists, the same way, what is done to each
     example before the model's first learned layer (feature transforms, per-example
     normalization) and why it costs nothing; ``outside_stages`` lists the stages that are not
-    dpbench's own (``compiler.check.stage_sources`` with the checks they passed): the epsilon rests on their
-    declarations, which dpbench checks on synthetic data but cannot prove; ``seed_secret``: the
-    run drew its seed from OS entropy and wrote it nowhere (``train.seed = None``).
+    dpbench's own (``compiler.check.stage_sources`` with the checks they passed): the epsilon
+    rests on their declarations, which dpbench checks on synthetic data but cannot prove;
+    ``seed_secret``: the run drew its seed from OS entropy and wrote it nowhere
+    (``train.seed = None``).
     """
     poisson = sampler.get("poisson_accounted", False)
     text = (f"({epsilon:.6g}, {delta:g})-DP under add/remove-one-example adjacency for the "

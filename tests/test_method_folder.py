@@ -1,5 +1,5 @@
-"""A method is a folder (dpbench.search.methods): a researcher adds one, in a folder of their own, with
-one stage module beside its pipeline, and puts it on a board next to DP-SGD through
+"""A method is a folder (dpbench.search.methods): a researcher adds one, in a folder of their
+own, with one stage module beside its pipeline, and puts it on a board next to DP-SGD through
 `dpbench sweep` and `dpbench board` without touching a file of the repository."""
 
 import json

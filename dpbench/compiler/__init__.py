@@ -6,8 +6,8 @@ Three named phases over a frozen plan:
    bounds, costs; errors name the stage and the rule) and derives the sensitivity.
 1. bind (``bind.py``): each stage's ``make`` gets the public run facts it names in ``needs``
    (``facts.py``: the one record of run facts, derived from :class:`RunInputs`) and returns
-   its step functions; the per-example strategy (materialized or book-keeping) is chosen from the stage
-   chain. Host only, no jit.
+   its step functions; the per-example strategy (materialized or book-keeping) is chosen from
+   the stage chain. Host only, no jit.
 2. account (``ledger.py``): the run's privacy ledger (one-off releases, the per-step Gaussian
    release, stage mechanisms such as GIP's index release) and the noise multipliers calibrated
    to the target (epsilon, delta). Host only, no jit; testable on its own.

@@ -110,8 +110,9 @@ def layer_grads_fn(model, taps: tuple):
     a matmul layer): (params, images, labels, mask) -> ({tap path: {"bias": (b, p), "kernel":
     (b, p, d)}} nested like params["params"] (an affine tap would give "scale" and "bias", (b, p)
     each), per-example losses), every example's gradient of its own loss from one batched
-    backward pass (examples outside ``mask`` get zero output gradients). Kernels are outputs-first, the layout XLA's CPU batched dot writes fastest; row
-    j of a (d, p) kernel gradient is column j here."""
+    backward pass (examples outside ``mask`` get zero output gradients). Kernels are
+    outputs-first, the layout XLA's CPU batched dot writes fastest; row j of a (d, p) kernel
+    gradient is column j here."""
     def layer_grads(params, images, labels, mask):
         inputs, deltas, losses = _output_gradients(model, taps, params, images, labels, mask)
         b = images.shape[0]

@@ -59,8 +59,8 @@ class StepContext(NamedTuple):
     ``key`` is this stage's own key for this step (and, for per-example stages, this example);
     ``noise_stddev`` is, for the stages after the clip, the stddev of the Gaussian noise the
     release adds (the compiler's calibrated sigma times the pipeline's L2 sensitivity; 0 for the
-    non-private baseline): the release adds it, a denoiser may read it; ``host_inputs`` is this stage's public host randomness for this step
-    (``Hooks.host_inputs``).
+    non-private baseline): the release adds it, a denoiser may read it; ``host_inputs`` is this
+    stage's public host randomness for this step (``Hooks.host_inputs``).
     """
 
     params: Any

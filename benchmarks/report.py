@@ -231,6 +231,8 @@ def render(report: dict) -> str:
               f"- CPU: {m['cpu_model']}; vector extensions: {extensions_text(m)}",
               f"- cores: {m['cores']} (available to this process: {m['cores_available']})",
               f"- RAM: {_fmt(m['ram_gib'])} GiB",
+              "- JAX device: " + (", ".join(sorted({r["result"]["jax_device"] for r in
+                                  report["rows"] if r["result"].get("jax_device")})) or "—"),
               f"- platform: {m['platform']}",
               f"- load average at start: {m['load_average']}; at end: "
               f"{report.get('load_average_end')}",

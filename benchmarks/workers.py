@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import sys
 import tempfile
 import time
 import traceback
@@ -385,4 +386,7 @@ def run_worker(spec_path: str) -> None:
         result = dict(ok=False, error=f"{type(e).__name__}: {e}".strip(),
                       traceback=traceback.format_exc())
     result["peak_rss_mib"] = peak_rss_mib()
+    if "jax" in sys.modules:  # the device the JAX rows ran on (a GPU report must name it)
+        device = sys.modules["jax"].devices()[0]
+        result["jax_device"] = f"{device.platform}: {device.device_kind}"
     Path(spec["result_path"]).write_text(json.dumps(result))

@@ -23,22 +23,14 @@
 # again.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-# the wheels of tools/constraints.txt that the machine's image lacks or has at other versions
-WHEELS=(appdirs==1.4.4 attrs==23.2.0 chex==0.1.92 configparser==7.3.0 dm-tree==0.1.10
-        dp-accounting==0.6.0 flax==0.12.8 gin-config==0.5.0 kymatio==0.3.0 optax==0.2.8
-        orbax-checkpoint==0.12.8)
+source tools/device_env.sh  # WHEELS, device_fill, device_install
 
 case "${1:-}" in
 prepare)
   commit="${2:?usage: $0 prepare COMMIT}"
-  grep -qx "/.device/" .git/info/exclude 2>/dev/null || echo "/.device/" >> .git/info/exclude
-  rm -rf .device && mkdir -p .device/whl .device/fmnist
+  device_fill
   git clone -q --no-local . .device/src && git -C .device/src checkout -q "$commit"
   git -C .device/src gc -q --prune=now
-  python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
-    --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 \
-    -d .device/whl "${WHEELS[@]}"
-  cp /usr/share/datasets/fashion-mnist/*.gz .device/fmnist/
   du -sh .device
   ;;
 run)
@@ -53,18 +45,11 @@ run)
   done
   start=$(date +%s)
   exec > >(tee "$OUT/setup.log") 2>&1
-  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .device/whl/*.whl
-  export PYTHONPATH=/tmp/site
-  mkdir -p /usr/share/datasets/fashion-mnist
-  cp .device/fmnist/*.gz /usr/share/datasets/fashion-mnist/
+  device_install
   git config --global --add safe.directory '*'  # the copied clone's owner may differ
   head=$(git -C .device/src rev-parse HEAD)
   [ -z "$(git -C .device/src status --porcelain --untracked-files=no)" ] \
     || { echo "the clone is not clean: its records would not be its commit's" >&2; exit 2; }
-  python3 -c "import jax, flax, numpy, scipy; print(jax.__version__, jax.devices(),
-              flax.__version__, numpy.__version__, scipy.__version__)"
   # the groups of each commit (a bare GROUP: the clone's own commit)
   declare -A groups_of=()
   for arg in "$@"; do

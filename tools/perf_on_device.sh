@@ -1,0 +1,139 @@
+#!/usr/bin/env bash
+# The speed harness's GPU rows (leaderboard/PERF-gpu.md) in one call on a lent GPU machine, whose
+# device time is short (15 minutes a session, the start included). Two halves:
+#
+#   here:  bash tools/perf_on_device.sh prepare
+#          fills .device/ (git-ignored): the pinned wheels the machine lacks, Fashion-MNIST.
+#   there: bash tools/perf_on_device.sh run [SET ...]   (carry .device; $OUT set)
+#          SETs (default: these five, in this order): wrn256 (WRN-16-4, B 256 x augmult 16,
+#          crop + flip, micro-batch 32; DP-SGD, RS, DP-SSGD, GIP, random-k, Nasr), mlp4096
+#          (MLP 784-2048-2048-10, B 4096, micro-batch 512; the same methods), tanh4096 (tanh
+#          CNN, B 4096, micro-batch 512, DP-SGD), wrn256-gep and mlp4096-gep (GEP and B-GEP at
+#          those settings); on request wrn1024 (WRN-16-4, B 1024 x 1, micro-batch 128, DP-SGD).
+#          Each set is JAX's non-private step against its pipelines, as `python -m
+#          benchmarks.speed` measures them.
+#
+# Compiling a WRN step takes tens of seconds, one process at a time, and the harness runs
+# every row in a fresh process, so the run is two phases sharing JAX's persistent compilation
+# cache (/tmp/jaxcache): first every row is compiled and stepped once, PARALLEL processes at a
+# time, PHASE1_S seconds at most (their step times are discarded: they share the GPU); then
+# each SET's harness run times its rows one process at a time, each loading its step from the
+# cache, until BUDGET_S seconds after the start. Reports: $OUT/<SET>.json (an unfinished set's
+# report says where it stopped); their Markdown and every log in $OUT/logs.tar.gz. Then, when
+# TRAIN_MIN_S seconds of the budget are left, phase 3 trains DP-SGD WRN-16-4 to its end
+# (TRAIN_EPOCHS epochs; $OUT/train-run_record.json, train-metrics.jsonl, train.log).
+#
+# SMOKE=1 shrinks every set (WRN-10-1 at B 16 x 2, a 32-32 MLP at B 256) for a CPU check of
+# the script itself; PYTHON picks the interpreter (default python3) and SKIP_INSTALL=1 keeps the
+# machine's own packages.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+source tools/device_env.sh  # WHEELS, device_fill, device_install
+
+ALL_SETS=(wrn256 mlp4096 tanh4096 wrn256-gep mlp4096-gep)
+PY="${PYTHON:-python3}"
+COMMON=(--skip_torch --nocalibration --nomain_job --logical_batch=0 --nogep_floor
+        --gep_refresh_every=0 --gep_paper_anchors=0 --interleaved_steps=0 --rounds=1
+        --noise_multiplier=1.0 --config_timeout=300)
+
+set_args() {  # the harness flags of one SET, into ARGS and PIPES (its pipelines)
+  local wrn=(--model_gin=gin/model/wrn16_4.gin) mlp=(--model_gin=gin/model/mlp.gin)
+  PIPES=(dpsgd rs dpssgd gip randomk nasr)
+  case "$1" in
+    wrn256*) ARGS=("${wrn[@]}" --batch_sizes=256 --micro_batch_sizes=32
+                   --bindings=grad.per_example.augmult=16
+                   "--bindings=grad.per_example.augmentation='crop_flip'");;
+    mlp4096*) ARGS=("${mlp[@]}" "--bindings=model.hidden=(2048,2048)" --batch_sizes=4096
+                    --micro_batch_sizes=512);;
+    tanh4096) ARGS=(--batch_sizes=4096 --micro_batch_sizes=512); PIPES=(dpsgd);;
+    wrn1024) ARGS=("${wrn[@]}" --batch_sizes=1024 --micro_batch_sizes=128); PIPES=(dpsgd);;
+  esac
+  case "$1" in
+    wrn256|mlp4096|tanh4096|wrn1024) ;;
+    wrn256-gep|mlp4096-gep) PIPES=(gep bgep);;  # apart: a GEP step can take seconds
+    *) echo "unknown set $1 (known: ${ALL_SETS[*]} wrn1024)" >&2; exit 2;;
+  esac
+  TRAIN_ARGS=()
+  if [ -n "${SMOKE:-}" ]; then  # later flags win: the same rows at test size
+    case "$1" in
+      wrn*) ARGS+=(--bindings=wrn.depth=10 --bindings=wrn.width=1 --batch_sizes=16
+                   --micro_batch_sizes=8 "--bindings=grad.per_example.augmult=2");;
+      *) ARGS+=(--batch_sizes=256 --micro_batch_sizes=64);;
+    esac
+    [[ "$1" == mlp4096* ]] && ARGS+=("--bindings=model.hidden=(32,32)")
+    TRAIN_ARGS=("--gin_bindings=wrn.depth = 10" "--gin_bindings=wrn.width = 1"
+                "--gin_bindings=train.batch_size = 16" "--gin_bindings=train.micro_batch_size = 8"
+                "--gin_bindings=train.epochs = 0.01")
+  fi
+  return 0
+}
+
+left() { echo $(( $1 - ($(date +%s) - START) )); }
+
+case "${1:-}" in
+prepare)
+  device_fill
+  du -sh .device
+  ;;
+run)
+  shift
+  sets=("$@"); [ "${#sets[@]}" -gt 0 ] || sets=("${ALL_SETS[@]}")
+  for s in "${sets[@]}"; do set_args "$s"; done  # unknown names fail before any work
+  : "${OUT:?set OUT to the folder the reports go to}"
+  START=$(date +%s)
+  budget="${BUDGET_S:-540}" phase1="${PHASE1_S:-230}" parallel="${PARALLEL:-5}"
+  logs=$(mktemp -d)
+  exec > >(tee "$logs/perf.log") 2>&1
+  [ -n "${SKIP_INSTALL:-}" ] || device_install
+  export JAX_COMPILATION_CACHE_DIR=/tmp/jaxcache JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0
+  echo "phase 1: every row compiled once, $parallel processes at a time"
+  pids=()  # the phase's processes (a bare `wait` would also wait for the log's tee)
+  for s in "${sets[@]}"; do
+    set_args "$s"
+    for p in "${PIPES[@]}"; do
+      while [ "$(jobs -rp | wc -l)" -ge "$parallel" ]; do wait -n "${pids[@]}" 2>/dev/null || true; done
+      t=$(left "$phase1"); [ "$t" -gt 5 ] || break 2
+      # own allocations only, freed at once: the processes share the GPU's memory
+      XLA_PYTHON_CLIENT_PREALLOCATE=false XLA_PYTHON_CLIENT_ALLOCATOR=platform \
+        timeout "$t" "$PY" -m benchmarks.speed "${COMMON[@]}" "${ARGS[@]}" --pipelines="$p" \
+        --steps=1 --warmup=1 --out="$logs/warm-$s-$p.md" > "$logs/warm-$s-$p.log" 2>&1 &
+      pids+=("$!")
+    done
+  done
+  for pid in "${pids[@]}"; do wait "$pid" || true; done
+  echo "phase 1 done at $(( $(date +%s) - START )) s"
+  for s in "${sets[@]}"; do
+    set_args "$s"
+    t=$(left "$budget"); [ "$t" -gt 20 ] || { echo "no time left for $s"; break; }
+    echo "phase 2: $s at $(( $(date +%s) - START )) s, $t s left"
+    pipes=$(IFS=,; echo "${PIPES[*]}")
+    timeout "$t" "$PY" -m benchmarks.speed "${COMMON[@]}" "${ARGS[@]}" --pipelines="$pipes" \
+      --steps=10 --warmup=2 --out="$logs/$s.md" > "$logs/$s.log" 2>&1 \
+      || echo "$s stopped early (exit $?): its report says how far it got"
+    cp "$logs/$s.json" "$OUT/" 2>/dev/null || true  # at most 8 files come back
+    grep -h "ok:\|FAILED\|failed" "$logs/$s.log" || true
+  done
+  tar czf "$OUT/logs.tar.gz" -C "$logs" .
+  # phase 3, with the time left: DP-SGD WRN-16-4 on Fashion-MNIST-32 at epsilon 3 trained to
+  # its end (TRAIN_EPOCHS epochs of B 256 x augmult 16), its record back in $OUT
+  t=$(left "$budget")
+  if [ "$t" -ge "${TRAIN_MIN_S:-150}" ]; then
+    echo "phase 3: WRN-16-4 training, ${TRAIN_EPOCHS:-1} epochs, $t s left"
+    wd=$(mktemp -d)/wrn16_4-dpsgd-eps3
+    timeout "$t" "$PY" -m dpbench.main --gin_file=pipelines/dpsgd/pipeline.gin \
+      --gin_file=gin/model/wrn16_4.gin "--gin_bindings=grad.per_example.augmult = 16" \
+      "--gin_bindings=grad.per_example.augmentation = 'crop_flip'" \
+      "--gin_bindings=train.batch_size = 256" "--gin_bindings=train.micro_batch_size = 32" \
+      "--gin_bindings=train.epochs = ${TRAIN_EPOCHS:-1}" "${TRAIN_ARGS[@]}" \
+      --workdir="$wd" > "$OUT/train.log" 2>&1 || echo "training stopped (exit $?)"
+    for f in run_record.json metrics.jsonl; do [ ! -f "$wd/$f" ] || cp "$wd/$f" "$OUT/train-$f"; done
+  else
+    echo "phase 3 skipped: $t s left"
+  fi
+  echo "done at $(( $(date +%s) - START )) s"
+  ;;
+*)
+  echo "usage: $0 prepare | $0 run [SET ...]  (sets: ${ALL_SETS[*]})" >&2
+  exit 2
+  ;;
+esac

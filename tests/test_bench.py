@@ -5,8 +5,11 @@ rows and columns with positive finite numbers."""
 import dataclasses
 import json
 import math
+import os
 import re
+import subprocess
 import types
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -50,6 +53,8 @@ def test_harness_runs_tiny_configurations_and_writes_the_report(tmp_path):
         assert section in text
     assert "pytest tests/test_bench.py" in text
     assert re.search(r"- cores: \d+", text) and "jax " in text and "python " in text
+    device = jax.devices()[0]  # the rows' device, as their workers saw it (a GPU report's too)
+    assert f"- JAX device: {device.platform}: {device.device_kind}" in text
 
     table = _table(text, "| configuration |")
     assert table[0] == COLUMNS
@@ -187,7 +192,6 @@ def test_torch_twin_computes_the_same_function_as_the_tanh_cnn():
     """The Opacus rows' model is dpbench's TanhCNN layer for layer (weights copied over)."""
     import pytest
     torch = pytest.importorskip("torch")
-    import jax
     import numpy as np
 
     from dpbench import models
@@ -412,3 +416,19 @@ def test_the_step_memory_plan_grows_with_the_micro_batch_gep_materializes():
     assert large["temp_gib"] > 3 * small["temp_gib"] > 0
     dpsgd = step_memory.step_memory(["pipelines/dpsgd", *files[1:]], bindings[:1], 256, 128)
     assert dpsgd["temp_gib"] < large["temp_gib"] / 5
+
+
+def test_perf_on_device_refuses_an_unknown_set_or_a_missing_out_before_any_work(tmp_path):
+    """tools/perf_on_device.sh (the GPU rows of leaderboard/PERF-gpu.md, on a lent machine
+    whose minutes are few): a misspelt set, or no $OUT to bring the reports back in, stops it
+    at once with what to change, before it installs or compiles anything."""
+    script = Path(__file__).resolve().parents[1] / "tools" / "perf_on_device.sh"
+    env = {k: v for k, v in os.environ.items() if k != "OUT"}
+    bad = subprocess.run(["bash", str(script), "run", "wrn256", "wrn265"], capture_output=True,
+                         text=True, env=dict(env, OUT=str(tmp_path)), timeout=60)
+    assert bad.returncode == 2 and "unknown set wrn265" in bad.stderr
+    assert "wrn256 mlp4096 tanh4096" in bad.stderr  # the known sets, named
+    no_out = subprocess.run(["bash", str(script), "run", "tanh4096"], capture_output=True,
+                            text=True, env=env, timeout=60)
+    assert no_out.returncode != 0 and "set OUT" in no_out.stderr
+    assert list(tmp_path.iterdir()) == []

@@ -20,8 +20,13 @@
 # each SET's harness run times its rows one process at a time, each loading its step from the
 # cache, until BUDGET_S seconds after the start. Reports: $OUT/<SET>.json (an unfinished set's
 # report says where it stopped); their Markdown and every log in $OUT/logs.tar.gz. Then, when
-# TRAIN_MIN_S seconds of the budget are left, phase 3 trains DP-SGD WRN-16-4 to its end
-# (TRAIN_EPOCHS epochs; $OUT/train-run_record.json, train-metrics.jsonl, train.log).
+# TRAIN_MIN_S (480) seconds of the budget are left, the training below.
+#
+#   there: bash tools/perf_on_device.sh train   (carry .device; $OUT set)
+#          DP-SGD WRN-16-4 on Fashion-MNIST-32 at epsilon 3, B 256 x augmult 16, trained to its
+#          end (TRAIN_EPOCHS epochs, default 10: about 5 minutes of steps on an H100) within
+#          BUDGET_S seconds; $OUT/train-run_record.json, train-metrics.jsonl, train-config.gin,
+#          train.log. A 30-epoch run (14 minutes of steps) does not fit one 10-minute call.
 #
 # SMOKE=1 shrinks every set (WRN-10-1 at B 16 x 2, a 32-32 MLP at B 256) for a CPU check of
 # the script itself; PYTHON picks the interpreter (default python3) and SKIP_INSTALL=1 keeps the
@@ -70,6 +75,30 @@ set_args() {  # the harness flags of one SET, into ARGS and PIPES (its pipelines
 
 left() { echo $(( $1 - ($(date +%s) - START) )); }
 
+train_wrn() {  # DP-SGD WRN-16-4 on Fashion-MNIST-32 at epsilon 3 to its end, within $1 seconds
+  local wd epochs="${TRAIN_EPOCHS:-10}"
+  echo "training: WRN-16-4, DP-SGD, B 256 x augmult 16, $epochs epochs${SMOKE:+ (SMOKE: WRN-10-1, B 16, 0.01 epochs)}, $1 s at most"
+  wd=$(mktemp -d)/wrn16_4-dpsgd-eps3
+  timeout "$1" "$PY" -m dpbench.main --gin_file=pipelines/dpsgd/pipeline.gin \
+    --gin_file=gin/model/wrn16_4.gin "--gin_bindings=grad.per_example.augmult = 16" \
+    "--gin_bindings=grad.per_example.augmentation = 'crop_flip'" \
+    "--gin_bindings=train.batch_size = 256" "--gin_bindings=train.micro_batch_size = 32" \
+    "--gin_bindings=train.epochs = $epochs" "${TRAIN_ARGS[@]}" \
+    --workdir="$wd" > "$OUT/train.log" 2>&1 || echo "training stopped (exit $?): no record"
+  for f in run_record.json metrics.jsonl config.gin; do
+    [ ! -f "$wd/$f" ] || cp "$wd/$f" "$OUT/train-$f"
+  done
+}
+
+setup() {  # there: the log, the packages, the compilation cache
+  : "${OUT:?set OUT to the folder the reports go to}"
+  START=$(date +%s)
+  LOGS=$(mktemp -d)
+  exec > >(tee "$LOGS/perf.log") 2>&1
+  [ -n "${SKIP_INSTALL:-}" ] || device_install
+  export JAX_COMPILATION_CACHE_DIR=/tmp/jaxcache JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0
+}
+
 case "${1:-}" in
 prepare)
   device_fill
@@ -79,13 +108,8 @@ run)
   shift
   sets=("$@"); [ "${#sets[@]}" -gt 0 ] || sets=("${ALL_SETS[@]}")
   for s in "${sets[@]}"; do set_args "$s"; done  # unknown names fail before any work
-  : "${OUT:?set OUT to the folder the reports go to}"
-  START=$(date +%s)
-  budget="${BUDGET_S:-540}" phase1="${PHASE1_S:-230}" parallel="${PARALLEL:-5}"
-  logs=$(mktemp -d)
-  exec > >(tee "$logs/perf.log") 2>&1
-  [ -n "${SKIP_INSTALL:-}" ] || device_install
-  export JAX_COMPILATION_CACHE_DIR=/tmp/jaxcache JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0
+  setup
+  budget="${BUDGET_S:-540}" phase1="${PHASE1_S:-230}" parallel="${PARALLEL:-5}" logs="$LOGS"
   echo "phase 1: every row compiled once, $parallel processes at a time"
   pids=()  # the phase's processes (a bare `wait` would also wait for the log's tee)
   for s in "${sets[@]}"; do
@@ -114,26 +138,18 @@ run)
     grep -h "ok:\|FAILED\|failed" "$logs/$s.log" || true
   done
   tar czf "$OUT/logs.tar.gz" -C "$logs" .
-  # phase 3, with the time left: DP-SGD WRN-16-4 on Fashion-MNIST-32 at epsilon 3 trained to
-  # its end (TRAIN_EPOCHS epochs of B 256 x augmult 16), its record back in $OUT
   t=$(left "$budget")
-  if [ "$t" -ge "${TRAIN_MIN_S:-150}" ]; then
-    echo "phase 3: WRN-16-4 training, ${TRAIN_EPOCHS:-1} epochs, $t s left"
-    wd=$(mktemp -d)/wrn16_4-dpsgd-eps3
-    timeout "$t" "$PY" -m dpbench.main --gin_file=pipelines/dpsgd/pipeline.gin \
-      --gin_file=gin/model/wrn16_4.gin "--gin_bindings=grad.per_example.augmult = 16" \
-      "--gin_bindings=grad.per_example.augmentation = 'crop_flip'" \
-      "--gin_bindings=train.batch_size = 256" "--gin_bindings=train.micro_batch_size = 32" \
-      "--gin_bindings=train.epochs = ${TRAIN_EPOCHS:-1}" "${TRAIN_ARGS[@]}" \
-      --workdir="$wd" > "$OUT/train.log" 2>&1 || echo "training stopped (exit $?)"
-    for f in run_record.json metrics.jsonl; do [ ! -f "$wd/$f" ] || cp "$wd/$f" "$OUT/train-$f"; done
-  else
-    echo "phase 3 skipped: $t s left"
-  fi
+  if [ "$t" -ge "${TRAIN_MIN_S:-480}" ]; then train_wrn "$t"; else echo "no training: $t s left"; fi
+  echo "done at $(( $(date +%s) - START )) s"
+  ;;
+train)
+  set_args wrn256  # TRAIN_ARGS (SMOKE's sizes)
+  setup
+  train_wrn $(( ${BUDGET_S:-540} - ($(date +%s) - START) ))
   echo "done at $(( $(date +%s) - START )) s"
   ;;
 *)
-  echo "usage: $0 prepare | $0 run [SET ...]  (sets: ${ALL_SETS[*]})" >&2
+  echo "usage: $0 prepare | $0 run [SET ...] | $0 train  (sets: ${ALL_SETS[*]})" >&2
   exit 2
   ;;
 esac

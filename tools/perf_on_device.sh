@@ -3,7 +3,8 @@
 # device time is short (15 minutes a session, the start included). Two halves:
 #
 #   here:  bash tools/perf_on_device.sh prepare
-#          fills .device/ (git-ignored): the pinned wheels the machine lacks, Fashion-MNIST.
+#          fills .device/ (git-ignored): the pinned wheels the machine lacks, Fashion-MNIST (no
+#          clone: sweep_on_device.sh's would take the call over the 64 MiB that travels).
 #   there: bash tools/perf_on_device.sh run [SET ...]   (carry .device; $OUT set)
 #          SETs (default: these five, in this order): wrn256 (WRN-16-4, B 256 x augmult 16,
 #          crop + flip, micro-batch 32; DP-SGD, RS, DP-SSGD, GIP, random-k, Nasr), mlp4096

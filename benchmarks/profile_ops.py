@@ -48,23 +48,36 @@ def hlo_operations(hlo_text: str) -> dict:
     return out
 
 
+def _operation(event: dict, operations: dict):
+    """The HLO instruction a trace event ran, or None: a CPU thunk's event is named by the
+    instruction; a GPU kernel's by the kernel (a cuBLAS or fusion name), its instruction in
+    the event's args (``hlo_op``)."""
+    if event.get("name") in operations:
+        return event["name"]
+    op = (event.get("args") or {}).get("hlo_op")
+    return op if op in operations else None
+
+
 def per_operation_us(trace_events: list, operations: dict) -> collections.Counter:
     """Exclusive microseconds per operation of ``operations`` over complete ('X') trace
     events: a control-flow operation (while, conditional) is charged its own time only, not its
-    body's operations nested inside it on the same thread. Summed over threads (thread time)."""
-    events = sorted((e for e in trace_events if e.get("ph") == "X" and e.get("name") in operations),
-                    key=lambda e: (e.get("pid"), e.get("tid"), float(e["ts"]), -float(e["dur"])))
+    body's operations nested inside it on the same thread. Summed over threads (thread time;
+    on a GPU, its streams' kernel time)."""
+    named = [(e, _operation(e, operations)) for e in trace_events if e.get("ph") == "X"]
+    events = sorted(((e, op) for e, op in named if op is not None),
+                    key=lambda x: (x[0].get("pid"), x[0].get("tid"), float(x[0]["ts"]),
+                                   -float(x[0]["dur"])))
     totals = collections.Counter()
-    stack = []  # (thread, end time, name) of the enclosing operations
-    for event in events:
+    stack = []  # (thread, end time, operation) of the enclosing operations
+    for event, op in events:
         thread, start, dur = (event.get("pid"), event.get("tid")), float(event["ts"]), float(
             event["dur"])
         while stack and (stack[-1][0] != thread or stack[-1][1] <= start):
             stack.pop()
         if stack:
             totals[stack[-1][2]] -= dur  # the parent's time excludes this child
-        totals[event["name"]] += dur
-        stack.append((thread, start + dur, event["name"]))
+        totals[op] += dur
+        stack.append((thread, start + dur, op))
     return totals
 
 

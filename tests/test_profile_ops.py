@@ -36,6 +36,22 @@ def test_a_control_flow_operation_is_charged_its_own_time_only():
         "while.1": 50, "dot.2": 70, "add.3": 20}
 
 
+def test_a_gpu_kernel_is_charged_to_the_instruction_in_its_args():
+    """On a GPU the trace names a kernel by itself (cuBLAS's, a fusion's) and its HLO
+    instruction in args.hlo_op; a kernel of no instruction of the step is left out."""
+    operations = {"custom-call.4": "jit(step)/dot_general", "fusion.7": "jit(step)/mul"}
+    events = [dict(ph="X", name="sm90_xmma_gemm_f32f32_tf32f32", ts=0, dur=30, pid=2, tid=7,
+                   args={"hlo_op": "custom-call.4"}),
+              dict(ph="X", name="loop_multiply_fusion", ts=40, dur=5, pid=2, tid=7,
+                   args={"hlo_op": "fusion.7"}),
+              dict(ph="X", name="sm90_xmma_gemm_f32f32_tf32f32", ts=50, dur=20, pid=2, tid=7,
+                   args={"hlo_op": "custom-call.4"}),
+              dict(ph="X", name="other_module_kernel", ts=80, dur=9, pid=2, tid=7,
+                   args={"hlo_op": "fusion.99"})]
+    assert profile_ops.per_operation_us(events, operations) == {"custom-call.4": 50,
+                                                                 "fusion.7": 5}
+
+
 def test_the_command_line_has_the_flags_it_reads():
     # main reads --data_gin, --model_gin, --steps, --warmup and --bindings, which
     # benchmarks.speed defines: importing profile_ops alone must define them (bug: it did not,

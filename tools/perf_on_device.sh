@@ -23,6 +23,10 @@
 # report says where it stopped); their Markdown and every log in $OUT/logs.tar.gz. Then, when
 # TRAIN_MIN_S (480) seconds of the budget are left, the training below.
 #
+#   there: bash tools/perf_on_device.sh profile [SET ...]   (default: wrn256 mlp4096 tanh4096)
+#          where DP-SGD's step spends its time at each set's setting, per XLA operation
+#          (benchmarks/profile_ops.py: 5 traced steps); $OUT/profile-<SET>.md.
+#
 #   there: bash tools/perf_on_device.sh train   (carry .device; $OUT set)
 #          DP-SGD WRN-16-4 on Fashion-MNIST-32 at epsilon 3, B 256 x augmult 16, trained to its
 #          end (TRAIN_EPOCHS epochs, default 10: about 5 minutes of steps on an H100) within
@@ -45,14 +49,12 @@ COMMON=(--skip_torch --nocalibration --nomain_job --logical_batch=0 --nogep_floo
 set_args() {  # the harness flags of one SET, into ARGS and PIPES (its pipelines)
   local wrn=(--model_gin=gin/model/wrn16_4.gin) mlp=(--model_gin=gin/model/mlp.gin)
   PIPES=(dpsgd rs dpssgd gip randomk nasr)
-  case "$1" in
-    wrn256*) ARGS=("${wrn[@]}" --batch_sizes=256 --micro_batch_sizes=32
-                   --bindings=grad.per_example.augmult=16
-                   "--bindings=grad.per_example.augmentation='crop_flip'");;
-    mlp4096*) ARGS=("${mlp[@]}" "--bindings=model.hidden=(2048,2048)" --batch_sizes=4096
-                    --micro_batch_sizes=512);;
-    tanh4096) ARGS=(--batch_sizes=4096 --micro_batch_sizes=512); PIPES=(dpsgd);;
-    wrn1024) ARGS=("${wrn[@]}" --batch_sizes=1024 --micro_batch_sizes=128); PIPES=(dpsgd);;
+  case "$1" in  # BATCH and MICRO: B and the micro-batch size
+    wrn256*) BATCH=256 MICRO=32 ARGS=("${wrn[@]}" --bindings=grad.per_example.augmult=16
+                                      "--bindings=grad.per_example.augmentation='crop_flip'");;
+    mlp4096*) BATCH=4096 MICRO=512 ARGS=("${mlp[@]}" "--bindings=model.hidden=(2048,2048)");;
+    tanh4096) BATCH=4096 MICRO=512 ARGS=(); PIPES=(dpsgd);;
+    wrn1024) BATCH=1024 MICRO=128 ARGS=("${wrn[@]}"); PIPES=(dpsgd);;
   esac
   case "$1" in
     wrn256|mlp4096|tanh4096|wrn1024) ;;
@@ -62,15 +64,16 @@ set_args() {  # the harness flags of one SET, into ARGS and PIPES (its pipelines
   TRAIN_ARGS=()
   if [ -n "${SMOKE:-}" ]; then  # later flags win: the same rows at test size
     case "$1" in
-      wrn*) ARGS+=(--bindings=wrn.depth=10 --bindings=wrn.width=1 --batch_sizes=16
-                   --micro_batch_sizes=8 "--bindings=grad.per_example.augmult=2");;
-      *) ARGS+=(--batch_sizes=256 --micro_batch_sizes=64);;
+      wrn*) BATCH=16 MICRO=8 ARGS+=(--bindings=wrn.depth=10 --bindings=wrn.width=1
+                                    "--bindings=grad.per_example.augmult=2");;
+      *) BATCH=256 MICRO=64;;
     esac
     [[ "$1" == mlp4096* ]] && ARGS+=("--bindings=model.hidden=(32,32)")
     TRAIN_ARGS=("--gin_bindings=wrn.depth = 10" "--gin_bindings=wrn.width = 1"
                 "--gin_bindings=train.batch_size = 16" "--gin_bindings=train.micro_batch_size = 8"
                 "--gin_bindings=train.epochs = 0.01")
   fi
+  SIZES=(--batch_sizes="$BATCH" --micro_batch_sizes="$MICRO")  # the harness's flags
   return 0
 }
 
@@ -120,7 +123,8 @@ run)
       t=$(left "$phase1"); [ "$t" -gt 5 ] || break 2
       # own allocations only, freed at once: the processes share the GPU's memory
       XLA_PYTHON_CLIENT_PREALLOCATE=false XLA_PYTHON_CLIENT_ALLOCATOR=platform \
-        timeout "$t" "$PY" -m benchmarks.speed "${COMMON[@]}" "${ARGS[@]}" --pipelines="$p" \
+        timeout "$t" "$PY" -m benchmarks.speed "${COMMON[@]}" "${ARGS[@]}" "${SIZES[@]}" \
+        --pipelines="$p" \
         --steps=1 --warmup=1 --out="$logs/warm-$s-$p.md" > "$logs/warm-$s-$p.log" 2>&1 &
       pids+=("$!")
     done
@@ -132,7 +136,8 @@ run)
     t=$(left "$budget"); [ "$t" -gt 20 ] || { echo "no time left for $s"; break; }
     echo "phase 2: $s at $(( $(date +%s) - START )) s, $t s left"
     pipes=$(IFS=,; echo "${PIPES[*]}")
-    timeout "$t" "$PY" -m benchmarks.speed "${COMMON[@]}" "${ARGS[@]}" --pipelines="$pipes" \
+    timeout "$t" "$PY" -m benchmarks.speed "${COMMON[@]}" "${ARGS[@]}" "${SIZES[@]}" \
+      --pipelines="$pipes" \
       --steps=10 --warmup=2 --out="$logs/$s.md" > "$logs/$s.log" 2>&1 \
       || echo "$s stopped early (exit $?): its report says how far it got"
     cp "$logs/$s.json" "$OUT/" 2>/dev/null || true  # at most 8 files come back
@@ -143,6 +148,22 @@ run)
   if [ "$t" -ge "${TRAIN_MIN_S:-480}" ]; then train_wrn "$t"; else echo "no training: $t s left"; fi
   echo "done at $(( $(date +%s) - START )) s"
   ;;
+profile)
+  shift
+  sets=("$@"); [ "${#sets[@]}" -gt 0 ] || sets=(wrn256 mlp4096 tanh4096)
+  for s in "${sets[@]}"; do set_args "$s"; done
+  setup
+  for s in "${sets[@]}"; do
+    set_args "$s"
+    t=$(left "${BUDGET_S:-540}"); [ "$t" -gt 20 ] || { echo "no time left for $s"; break; }
+    echo "profile: DP-SGD, $s, at $(( $(date +%s) - START )) s"
+    timeout "$t" "$PY" -m benchmarks.profile_ops --pipeline=dpsgd "${ARGS[@]}" \
+      --batch_size="$BATCH" --micro_batch_size="$MICRO" --steps=5 --warmup=2 --top=40 \
+      > "$OUT/profile-$s.md" 2> "$LOGS/profile-$s.log" || echo "$s: profile failed (exit $?)"
+    head -n 12 "$OUT/profile-$s.md"
+  done
+  tar czf "$OUT/logs.tar.gz" -C "$LOGS" .
+  ;;
 train)
   set_args wrn256  # TRAIN_ARGS (SMOKE's sizes)
   setup
@@ -150,7 +171,8 @@ train)
   echo "done at $(( $(date +%s) - START )) s"
   ;;
 *)
-  echo "usage: $0 prepare | $0 run [SET ...] | $0 train  (sets: ${ALL_SETS[*]})" >&2
+  echo "usage: $0 prepare | $0 run [SET ...] | $0 profile [SET ...] | $0 train  (sets:" \
+       "${ALL_SETS[*]})" >&2
   exit 2
   ;;
 esac

@@ -52,6 +52,10 @@ class TrainConfig:
     fidelity_every_steps > 0 records, every that many steps, the cosine between the released
     update and the clean mean of clipped gradients and the noise-to-signal norm ratio: they read
     private data, so the record lists them as NON-PRIVATE benchmark output (off by default).
+    branch_free_step=True compiles the clipped sum without data-dependent conditionals: every
+    micro-batch runs (one of padding only adds zeros) and book-keeping always takes its weighted
+    sum that zeroes non-finite examples (a stage may keep its own, as GEP's does). The same
+    sums; a speed knob for GPUs, where XLA reads a conditional's predicate back on the host.
     """
 
     batch_size: int = 256
@@ -67,6 +71,7 @@ class TrainConfig:
     checkpoint_every_steps: int = 200
     checkpoints_to_keep: int = 2
     fidelity_every_steps: int = 0
+    branch_free_step: bool = False
 
     def validate(self):
         if not isinstance(self.batch_size, int) or self.batch_size <= 0:
@@ -77,6 +82,9 @@ class TrainConfig:
         if not isinstance(self.fidelity_every_steps, int) or self.fidelity_every_steps < 0:
             raise ValueError(f"train.fidelity_every_steps must be an integer >= 0 (0: off), got "
                              f"{self.fidelity_every_steps!r}")
+        if not isinstance(self.branch_free_step, bool):
+            raise ValueError(f"train.branch_free_step must be True or False, got "
+                             f"{self.branch_free_step!r}")
         for name in ("checkpoint_every_steps", "log_every_steps", "checkpoints_to_keep"):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:

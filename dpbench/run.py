@@ -152,7 +152,8 @@ def build_run(stages: Sequence[Stage], config: TrainConfig, budget: accounting.B
     compiled = compile_pipeline(
         stages, parts.inputs(config, budget), mesh=mesh,
         micro_batch_size=config.micro_batch_size, ema_decay=config.ema_decay,
-        fidelity_diagnostics=config.fidelity_every_steps > 0, host_seed=parts.seeds[3])
+        fidelity_diagnostics=config.fidelity_every_steps > 0, host_seed=parts.seeds[3],
+        branch_free=config.branch_free_step)
     dataset = parts.dataset
     return Run(dataset=dataset, model=parts.model, model_name=parts.model_config.name,
                sampler=parts.sampler, mesh=mesh, compiled=compiled,

@@ -17,7 +17,8 @@ from tests.conftest import make_batch
 MICRO = 8
 
 
-def _compile(stage_list, model, with_model: bool, shape, n=48, batch=24, public_images=None):
+def _compile(stage_list, model, with_model: bool, shape, n=48, batch=24, public_images=None,
+             branch_free=False):
     sampler = sampling.PoissonSampler(n, batch, seed=0, pad_multiple=MICRO)
     return compiler.compile_pipeline(stage_list, compiler.RunInputs(
         loss_fn=models.cross_entropy_loss(model),
@@ -25,7 +26,7 @@ def _compile(stage_list, model, with_model: bool, shape, n=48, batch=24, public_
         sampler=sampler, budget=accounting.Budget(3.0, 1e-5), total_steps=10,
         steps_per_epoch=2, noise_multiplier=1.0,
         public_images=public_images, model=model if with_model else None),
-        micro_batch_size=MICRO)
+        micro_batch_size=MICRO, branch_free=branch_free)
 
 
 def _chain(kind):
@@ -84,6 +85,47 @@ def test_same_clipped_sum_either_way(name, shape, kind):
         slow_metrics["nonfinite_examples"]) == 1.0
     np.testing.assert_allclose(fast_metrics["train_loss"], slow_metrics["train_loss"],
                                rtol=1e-4)
+
+
+_CONDITIONALS = ("stablehlo.case", "stablehlo.if")
+
+
+@pytest.mark.parametrize("kind,with_model", [("dpsgd", True), ("rs", True), ("nasr", True),
+                                             ("dpsgd", False)])
+def test_a_branch_free_step_gives_the_same_sums_without_conditionals(kind, with_model):
+    """train.branch_free_step (a GPU speed knob): the clipped sum of every path (book-keeping
+    unmasked, masked, transformed; materialized) equals the default one, on a batch with a
+    non-finite example and on one without (where the default takes its other weighted sum),
+    each with a micro-batch of padding only; and its lowered step holds no conditional, where
+    the default's does."""
+    model, shape = models.make_model(10, name="mlp", hidden=(32,)), (8, 8, 1)
+    rng = np.random.default_rng()
+    images = rng.uniform(size=(48,) + shape).astype(np.float32)
+    images[3] = np.nan
+    labels = rng.integers(0, 10, 48).astype(np.int32)
+    default, free = (_compile(_chain(kind), model, with_model, shape, branch_free=f)
+                     for f in (False, True))
+    assert default.plan.strategy == free.plan.strategy == (
+        "bookkeeping" if with_model else "materialized")
+    state = default.init_state(model.init(jax.random.key(1), jnp.zeros((1,) + shape)),
+                               jax.random.key(2))
+    b = default.sampler.sample(0)
+    assert len(b.mask) >= 2 * MICRO
+    for with_nan in (True, False):
+        b.indices[:4] = np.arange(4) if with_nan else np.arange(4, 8)
+        mask = np.arange(len(b.mask)) < len(b.mask) - MICRO  # the last micro-batch: padding
+        batch = make_batch(default, images, labels, b.indices, mask)
+        (want, want_aux), (got, got_aux) = (_sum_and_aux(c, state, batch)
+                                            for c in (default, free))
+        for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+            np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-7)
+        assert float(jnp.abs(jax.tree.leaves(got)[0]).sum()) > 0  # not vacuous
+        assert float(got_aux["nonfinite"]) == float(want_aux["nonfinite"]) == float(with_nan)
+        np.testing.assert_allclose(got_aux["loss"], want_aux["loss"], rtol=1e-5)
+    hlo = {name: jax.jit(c.lowered.clipped_sum).lower(state, batch).as_text()
+           for name, c in (("default", default), ("free", free))}
+    assert any(op in hlo["default"] for op in _CONDITIONALS)
+    assert not any(op in hlo["free"] for op in _CONDITIONALS)
 
 
 class _SharedDense(nn.Module):

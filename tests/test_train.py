@@ -283,3 +283,11 @@ def test_gep_anchors_are_the_datasets_public_split():
     np.testing.assert_array_equal(np.asarray(states[0]["anchors"]),
                                   run.dataset.public.images[:40])
     assert not set(run.dataset.public_indices.tolist()) & set(run.dataset.train_indices.tolist())
+
+
+def test_branch_free_step_takes_a_bool_only():
+    """train.branch_free_step (the clipped sum without data-dependent conditionals) is a
+    switch: a string such as 'yes' would read as True, so it is refused with the name."""
+    TrainConfig(branch_free_step=True).validate()
+    with pytest.raises(ValueError, match="train.branch_free_step must be True or False"):
+        TrainConfig(branch_free_step="yes").validate()

@@ -33,6 +33,9 @@
 #          BUDGET_S seconds; $OUT/train-run_record.json, train-metrics.jsonl, train-config.gin,
 #          train.log. A 30-epoch run (14 minutes of steps) does not fit one 10-minute call.
 #
+# BINDING adds one gin binding to every row of run and profile (an A/B of a knob: e.g.
+# BINDING='train.branch_free_step = True', the clipped sum without conditionals).
+#
 # SMOKE=1 shrinks every set (WRN-10-1 at B 16 x 2, a 32-32 MLP at B 256) for a CPU check of
 # the script itself; PYTHON picks the interpreter (default python3) and SKIP_INSTALL=1 keeps the
 # machine's own packages.
@@ -74,6 +77,7 @@ set_args() {  # the harness flags of one SET, into ARGS and PIPES (its pipelines
                 "--gin_bindings=train.epochs = 0.01")
   fi
   SIZES=(--batch_sizes="$BATCH" --micro_batch_sizes="$MICRO")  # the harness's flags
+  [ -z "${BINDING:-}" ] || ARGS+=("--bindings=$BINDING")  # one more gin binding, every row
   return 0
 }
 

@@ -232,7 +232,7 @@ def _example_rows(inputs, deltas, tap: Tap, b: int):
 
 def clipped_sum(model, taps: tuple, params, images, labels, mask, l2_bound: float,
                 masks: Optional[dict] = None, transform=None, elementwise: bool = False,
-                copies: int = 1):
+                copies: int = 1, branch_free: bool = False):
     """For one micro-batch: (sum_i c_i h(g_i) as a params-shaped tree, {"loss", "nonfinite"}),
     with g_i the gradient of example i's loss, h the per-example stages between the gradient and
     the clip, c_i = min(1, C / ||h(g_i)||) for a finite value of a real example (mask_i), else 0.
@@ -244,12 +244,14 @@ def clipped_sum(model, taps: tuple, params, images, labels, mask, l2_bound: floa
     stages' masks); dense layers then need no per-example gradient at all. ``transform``: any
     other h, applied to the per-example gradient tree materialized from the layer terms
     (batched over examples, e.g. Nasr's discretization vmapped); ``elementwise``: h is one
-    scalar function on every coordinate, so it may see the kernels outputs-first (faster)."""
+    scalar function on every coordinate, so it may see the kernels outputs-first (faster).
+    ``branch_free``: always the weighted sum that zeroes non-finite examples (the same sum when
+    all are finite), instead of choosing it by a data-dependent conditional."""
     inputs, deltas, losses = _output_gradients(model, taps, params, images, labels, mask,
                                                copies)
     if transform is not None:
         return _transformed_sum(taps, params, inputs, deltas, losses, mask, l2_bound, transform,
-                                elementwise)
+                                elementwise, branch_free)
     b = mask.shape[0]
     terms, squares = {}, 0.0
     for t in taps:
@@ -267,8 +269,9 @@ def clipped_sum(model, taps: tuple, params, images, labels, mask, l2_bound: floa
         terms[t.path] = (a, delta, materialized, bias, fmask)
     scale, finite, diagnostics = _clip_scale(squares, losses, mask, l2_bound)
     # Zeroing non-finite examples costs a pass over every per-example term: only when needed.
-    sums = jax.lax.cond(jnp.all(finite), lambda: _weighted_sums(terms, scale, False),
-                        lambda: _weighted_sums(terms, scale, True))
+    sums = _weighted_sums(terms, scale, True) if branch_free else jax.lax.cond(
+        jnp.all(finite), lambda: _weighted_sums(terms, scale, False),
+        lambda: _weighted_sums(terms, scale, True))
     grads = {}
     for t in taps:
         first, bias = sums[t.path]
@@ -285,7 +288,7 @@ def per_example_squared_norms(values, b: int):
 
 
 def _transformed_sum(taps, params, inputs, deltas, losses, mask, l2_bound: float, transform,
-                     elementwise: bool):
+                     elementwise: bool, branch_free: bool = False):
     """The per-example gradients materialized from the layer terms, ``transform``ed, clipped
     by a norm and summed by one weighted contraction per leaf. An ``elementwise`` transform
     gets each kernel outputs-first (B x p x d, the fast layout; a transpose to kernel shape
@@ -315,7 +318,8 @@ def _transformed_sum(taps, params, inputs, deltas, losses, mask, l2_bound: float
             return jnp.tensordot(scale, v, axes=1)
         return jax.tree.map(one, values)
 
-    sums = jax.lax.cond(jnp.all(finite), lambda: weighted(False), lambda: weighted(True))
+    sums = weighted(True) if branch_free else jax.lax.cond(
+        jnp.all(finite), lambda: weighted(False), lambda: weighted(True))
     if elementwise:
         for t in taps:
             if t.kind == AFFINE:

@@ -54,12 +54,14 @@ class Lowered(NamedTuple):
 
 
 def lower(plan: Plan, acct: Accounting, *, ema_decay: float = 0.0,
-          fidelity_diagnostics: bool = False) -> Lowered:
-    """The step function and the initial state of a bound, accounted pipeline."""
+          fidelity_diagnostics: bool = False, branch_free: bool = False) -> Lowered:
+    """The step function and the initial state of a bound, accounted pipeline; ``branch_free``:
+    its clipped sum without data-dependent conditionals (per_example.masked_sum)."""
     loss_fn = plan.run_facts.get("loss_fn")
     expected_batch_size = float(plan.run_facts.get("expected_batch_size"))
-    step = _make_step(plan, acct, loss_fn, expected_batch_size, ema_decay, fidelity_diagnostics)
-    begin_step, clipped_sum = begin_step_fn(plan), clipped_sum_fn(plan)
+    step = _make_step(plan, acct, loss_fn, expected_batch_size, ema_decay, fidelity_diagnostics,
+                      branch_free)
+    begin_step, clipped_sum = begin_step_fn(plan), clipped_sum_fn(plan, branch_free)
 
     def clipped_sum_at(state: TrainState, batch: dict):
         key = _step_key(state)
@@ -84,9 +86,10 @@ def _step_key(state: TrainState) -> jax.Array:
     return jax.random.fold_in(jax.random.fold_in(state.key, _STEP_DOMAIN), state.step)
 
 
-def _make_step(plan, acct, loss_fn, expected_batch_size, ema_decay, fidelity_diagnostics):
+def _make_step(plan, acct, loss_fn, expected_batch_size, ema_decay, fidelity_diagnostics,
+               branch_free):
     begin_step = begin_step_fn(plan)
-    clipped_sum = clipped_sum_fn(plan)
+    clipped_sum = clipped_sum_fn(plan, branch_free)
     batch_stages = _batch_stages_fn(plan, acct, expected_batch_size)
 
     def step_fn(state: TrainState, batch: dict):

@@ -20,13 +20,14 @@ from dpbench.compiler.plan import Plan
 EXAMPLE_KEYS = ("image", "label")
 
 
-def masked_sum(per_example: Callable, batch: dict) -> tuple:
+def masked_sum(per_example: Callable, batch: dict, branch_free: bool = False) -> tuple:
     """Sum over the batch's real examples of ``per_example(example, position) -> (value, aux)``.
 
     The batch is [micro_steps, micro_batch, ...]; micro-batches run under lax.scan (memory stays
     bounded), examples under vmap with the mesh's data axis; a micro-batch with no real example
-    is skipped (it contributes exactly zero). The one clipped-sum function of the compiler:
-    the step and the one-off release both use it.
+    is skipped (it contributes exactly zero), unless ``branch_free``: then every micro-batch
+    runs (one of padding only adds zeros) and the loop has no data-dependent conditional. The
+    one clipped-sum function of the compiler: the step and the one-off release both use it.
     """
     examples = {k: batch[k] for k in EXAMPLE_KEYS}
     micro_steps, micro_batch_size = batch["mask"].shape
@@ -53,7 +54,8 @@ def masked_sum(per_example: Callable, batch: dict) -> tuple:
         return jax.tree.map(masked, out)
 
     def body(total, micro):
-        part = jax.lax.cond(jnp.any(micro[1]), compute, lambda _: zeros, micro)
+        part = compute(micro) if branch_free else jax.lax.cond(
+            jnp.any(micro[1]), compute, lambda _: zeros, micro)
         return jax.tree.map(jnp.add, total, part), None
 
     total, _ = jax.lax.scan(body, zeros, (examples, batch["mask"], positions))
@@ -79,7 +81,7 @@ def _augmented_copies(grad_stage, step_key, images, labels, positions):
     return (augmented.reshape((-1,) + images.shape[1:]), jnp.repeat(labels, copies), copies)
 
 
-def _bookkeeping_sum_fn(plan: Plan):
+def _bookkeeping_sum_fn(plan: Plan, branch_free: bool):
     """The book-keeping strategy's clipped sum (bookkeeping.clipped_sum per micro-batch, empty
     micro-batches skipped; augmented copies drawn as the gradient stage draws them). Stages
     between the gradient and the clip enter as the product of their public masks when all are
@@ -115,9 +117,9 @@ def _bookkeeping_sum_fn(plan: Plan):
             return bookkeeping.clipped_sum(plan.model, plan.taps, params, images, labels, mask,
                                            plan.stages[clip_index].privacy.l2_bound, masks,
                                            transform,
-                                           elementwise, copies)
+                                           elementwise, copies, branch_free)
 
-        return _sum_over_micro_batches(micro, batch)
+        return _sum_over_micro_batches(micro, batch, branch_free)
 
     return clipped_sum
 
@@ -128,9 +130,10 @@ def _compose(scalar_maps, x):
     return x
 
 
-def _sum_over_micro_batches(micro: Callable, batch: dict):
+def _sum_over_micro_batches(micro: Callable, batch: dict, branch_free: bool):
     """sum over micro-batches of ``micro(images, labels, mask, positions)`` under lax.scan, a
-    micro-batch with no real example skipped (it contributes exactly zero)."""
+    micro-batch with no real example skipped (it contributes exactly zero) unless
+    ``branch_free`` (masked_sum's)."""
     micro_steps, size = batch["mask"].shape
     positions = jnp.arange(micro_steps * size, dtype=jnp.int32).reshape(micro_steps, size)
     xs = (batch["image"], batch["label"], batch["mask"], positions)
@@ -138,13 +141,14 @@ def _sum_over_micro_batches(micro: Callable, batch: dict):
                          jax.eval_shape(micro, *(x[0] for x in xs)))
 
     def body(total, x):
-        part = jax.lax.cond(jnp.any(x[2]), lambda x: micro(*x), lambda _: zeros, x)
+        part = micro(*x) if branch_free else jax.lax.cond(
+            jnp.any(x[2]), lambda x: micro(*x), lambda _: zeros, x)
         return jax.tree.map(jnp.add, total, part), None
 
     return jax.lax.scan(body, zeros, xs)[0]
 
 
-def _layer_clip_sum_fn(plan: Plan):
+def _layer_clip_sum_fn(plan: Plan, branch_free: bool):
     """The clip stage's own book-keeping form (``Hooks.layer_clip``, GEP): per micro-batch,
     every example's layer gradients from one batched backward pass, clipped and summed by the
     stage's contractions; an example whose loss or value is not finite is left out and counted,
@@ -165,7 +169,7 @@ def _layer_clip_sum_fn(plan: Plan):
             return total, {"loss": jnp.sum(jnp.where(keep, losses, 0.0)),
                            "nonfinite": jnp.sum(mask & ~keep).astype(jnp.float32)}
 
-        total, aux = _sum_over_micro_batches(micro, batch)
+        total, aux = _sum_over_micro_batches(micro, batch, branch_free)
         if fns.hooks.finish_sum is not None:
             total = fns.hooks.finish_sum(total, states[clip_index])
         return total, aux
@@ -173,13 +177,14 @@ def _layer_clip_sum_fn(plan: Plan):
     return clipped_sum
 
 
-def clipped_sum_fn(plan: Plan):
+def clipped_sum_fn(plan: Plan, branch_free: bool = False):
     """(params, states, step, step_key, batch) -> (sum of clipped per-example values,
-    {"loss": sum of finite losses, "nonfinite": count}) over the batch's real examples."""
+    {"loss": sum of finite losses, "nonfinite": count}) over the batch's real examples.
+    ``branch_free``: the same sum with no data-dependent conditional (masked_sum's)."""
     if plan.strategy == "bookkeeping":
         if plan.fns[plan.validated.clip_index].hooks.layer_clip is not None:
-            return _layer_clip_sum_fn(plan)
-        return _bookkeeping_sum_fn(plan)
+            return _layer_clip_sum_fn(plan, branch_free)
+        return _bookkeeping_sum_fn(plan, branch_free)
     clip_index = plan.validated.clip_index
     # A stage between the gradient and the clip that is not a public mask (Nasr's ternary) may
     # map a non-finite gradient to finite values, and a loss can be finite where the gradient
@@ -216,7 +221,7 @@ def clipped_sum_fn(plan: Plan):
             loss = jnp.where(nonfinite > 0, 0.0, aux["loss"])
             return value, {"loss": loss, "nonfinite": nonfinite}
 
-        total, aux = masked_sum(per_example, batch)
+        total, aux = masked_sum(per_example, batch, branch_free)
         for i in range(plan.num_per_example):  # public linear maps of the sum (GEP's residual)
             if plan.fns[i].hooks.finish_sum is not None:
                 total = plan.fns[i].hooks.finish_sum(total, states[i])

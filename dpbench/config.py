@@ -56,6 +56,9 @@ class TrainConfig:
     micro-batch runs (one of padding only adds zeros) and book-keeping always takes its weighted
     sum that zeroes non-finite examples (a stage may keep its own, as GEP's does). The same
     sums; a speed knob for GPUs, where XLA reads a conditional's predicate back on the host.
+    conv_grads='convolution' has book-keeping form each example's convolution kernel gradient
+    by XLA's convolution of the layer's input with its output gradient instead of from the
+    input's image patches ('patches', the default): the same gradients, no patches in memory.
     """
 
     batch_size: int = 256
@@ -72,6 +75,7 @@ class TrainConfig:
     checkpoints_to_keep: int = 2
     fidelity_every_steps: int = 0
     branch_free_step: bool = False
+    conv_grads: str = "patches"
 
     def validate(self):
         if not isinstance(self.batch_size, int) or self.batch_size <= 0:

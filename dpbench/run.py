@@ -24,6 +24,7 @@ from absl import logging
 from dpbench import accounting, checkpoint, data, models, records, sampling, sharding
 from dpbench.compiler.facts import RunInputs
 from dpbench.compiler.pipeline import CompiledPipeline, account_only, compile_pipeline
+from dpbench.compiler.plan import StepOptions
 from dpbench.config import TrainConfig
 from dpbench.stages.base import Stage
 
@@ -153,7 +154,8 @@ def build_run(stages: Sequence[Stage], config: TrainConfig, budget: accounting.B
         stages, parts.inputs(config, budget), mesh=mesh,
         micro_batch_size=config.micro_batch_size, ema_decay=config.ema_decay,
         fidelity_diagnostics=config.fidelity_every_steps > 0, host_seed=parts.seeds[3],
-        branch_free=config.branch_free_step)
+        step_options=StepOptions(branch_free=config.branch_free_step,
+                                 conv_grads=config.conv_grads))
     dataset = parts.dataset
     return Run(dataset=dataset, model=parts.model, model_name=parts.model_config.name,
                sampler=parts.sampler, mesh=mesh, compiled=compiled,

@@ -18,7 +18,7 @@ MICRO = 8
 
 
 def _compile(stage_list, model, with_model: bool, shape, n=48, batch=24, public_images=None,
-             branch_free=False):
+             step_options=compiler.StepOptions()):
     sampler = sampling.PoissonSampler(n, batch, seed=0, pad_multiple=MICRO)
     return compiler.compile_pipeline(stage_list, compiler.RunInputs(
         loss_fn=models.cross_entropy_loss(model),
@@ -26,7 +26,7 @@ def _compile(stage_list, model, with_model: bool, shape, n=48, batch=24, public_
         sampler=sampler, budget=accounting.Budget(3.0, 1e-5), total_steps=10,
         steps_per_epoch=2, noise_multiplier=1.0,
         public_images=public_images, model=model if with_model else None),
-        micro_batch_size=MICRO, branch_free=branch_free)
+        micro_batch_size=MICRO, step_options=step_options)
 
 
 def _chain(kind):
@@ -103,7 +103,8 @@ def test_a_branch_free_step_gives_the_same_sums_without_conditionals(kind, with_
     images = rng.uniform(size=(48,) + shape).astype(np.float32)
     images[3] = np.nan
     labels = rng.integers(0, 10, 48).astype(np.int32)
-    default, free = (_compile(_chain(kind), model, with_model, shape, branch_free=f)
+    default, free = (_compile(_chain(kind), model, with_model, shape,
+                              step_options=compiler.StepOptions(branch_free=f))
                      for f in (False, True))
     assert default.plan.strategy == free.plan.strategy == (
         "bookkeeping" if with_model else "materialized")
@@ -126,6 +127,44 @@ def test_a_branch_free_step_gives_the_same_sums_without_conditionals(kind, with_
            for name, c in (("default", default), ("free", free))}
     assert any(op in hlo["default"] for op in _CONDITIONALS)
     assert not any(op in hlo["free"] for op in _CONDITIONALS)
+
+
+class _TinyConv(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        x = nn.tanh(nn.Conv(4, (3, 3), strides=2, padding="SAME", name="conv")(x))
+        return nn.Dense(4, name="head")(x.reshape(x.shape[:-3] + (-1,)))
+
+
+def test_conv_grads_reach_bookkeeping_through_compile_pipeline(monkeypatch):
+    """compile_pipeline's StepOptions(conv_grads='convolution') reaches book-keeping: the
+    convolution's per-example kernels come from _conv_kernels, and the step's clipped sum is
+    the patches' (tests/test_wide_resnet.py compares the two on every WRN layer kind)."""
+    model, shape = _TinyConv(), (8, 8, 1)
+    formed = set()
+    conv_kernels = bookkeeping._conv_kernels
+    monkeypatch.setattr(bookkeeping, "_conv_kernels", lambda x, delta, tap, b: formed.add(
+        tap.path) or conv_kernels(x, delta, tap, b))
+    patches, convolution = (_compile(_chain("dpsgd"), model, True, shape,
+                                     step_options=compiler.StepOptions(conv_grads=how))
+                            for how in ("patches", "convolution"))
+    rng = np.random.default_rng()
+    images = rng.uniform(size=(48,) + shape).astype(np.float32)
+    labels = rng.integers(0, 4, 48).astype(np.int32)
+    state = patches.init_state(model.init(jax.random.key(1), jnp.zeros((1,) + shape)),
+                               jax.random.key(2))
+    b = patches.sampler.sample(0)
+    batch = make_batch(patches, images, labels, b.indices, b.mask)
+    formed.clear()  # compile_pipeline traced the step (eval_shape) once already
+    want, _ = _sum_and_aux(patches, state, batch)
+    assert formed == set()
+    got, _ = _sum_and_aux(convolution, state, batch)
+    assert formed == {("conv",)}
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-7)
+    assert float(jnp.abs(jax.tree.leaves(want)[0]).sum()) > 0
+    with pytest.raises(ValueError, match="train.conv_grads must be one of"):
+        compiler.StepOptions(conv_grads="im2col")
 
 
 class _SharedDense(nn.Module):
@@ -333,10 +372,10 @@ _REAL_AFFINE_TERMS = bookkeeping._affine_terms
 _REAL_SQUARED_NORMS = bookkeeping.per_example_squared_norms
 
 
-def _layer_terms_without_the_bias(a, delta, kernel_mask, bias_mask, tap):
+def _layer_terms_without_the_bias(a, delta, kernel_mask, bias_mask, tap, kernel=None):
     """BROKEN twin of bookkeeping._layer_terms: the layer's per-example norm leaves its bias
     gradient out (on every path: dense, Gram, materialized)."""
-    squares, kernel, bias = _REAL_LAYER_TERMS(a, delta, kernel_mask, bias_mask, tap)
+    squares, kernel, bias = _REAL_LAYER_TERMS(a, delta, kernel_mask, bias_mask, tap, kernel)
     return squares - jnp.sum(jnp.square(bias), axis=1), kernel, bias
 
 

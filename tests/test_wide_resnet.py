@@ -16,6 +16,7 @@ import pytest
 
 from dpbench import accounting, compiler, config, models, sampling, stages
 from dpbench.compiler import bookkeeping
+from dpbench.compiler.taps import discover_taps
 from dpbench.config import pipeline_stages
 from dpbench.run import build_run
 from tests.conftest import REPO_ROOT, make_batch, run_guarded
@@ -88,14 +89,15 @@ def test_dp_sgd_on_wrn_16_4_takes_two_steps_on_fashion_mnist_by_bookkeeping(wrn_
     assert int(state.step) == 2
 
 
-def _wrn_compiled(chain, with_model: bool, shape, model):
+def _wrn_compiled(chain, with_model: bool, shape, model, step_options=None):
     sampler = sampling.PoissonSampler(48, 24, seed=0, pad_multiple=8)
     return compiler.compile_pipeline(chain, compiler.RunInputs(
         loss_fn=models.cross_entropy_loss(model),
         init_params=lambda key: model.init(key, jnp.zeros((1,) + shape)), example_shape=shape,
         sampler=sampler, budget=accounting.Budget(3.0, 1e-5), total_steps=10,
         steps_per_epoch=2, noise_multiplier=1.0,
-        model=model if with_model else None), micro_batch_size=8)
+        model=model if with_model else None), micro_batch_size=8,
+        step_options=step_options or compiler.StepOptions())
 
 
 def test_bookkeeping_gives_the_wrns_clipped_sum_with_augmentation(wrn_knobs):
@@ -140,6 +142,51 @@ def test_bookkeeping_gives_the_wrns_clipped_sum_with_augmentation(wrn_knobs):
     reason = bookkeeping.strategy_reason(gep + chain[3:], 2, fast.plan.taps, model,
                                          fast.plan.run_facts.get("param_shapes"), shape)
     assert "not GroupNorm's scale and bias" in reason
+
+
+@pytest.mark.parametrize("name,masked", [("wrn", True), ("tanh_cnn", False)])
+def test_conv_grads_by_convolution_give_the_same_clipped_sum(wrn_knobs, name, masked,
+                                                             monkeypatch):
+    """conv_grads 'convolution' (each example's convolution kernel gradient by XLA's
+    convolution of the input with the output gradient, no image patches): book-keeping's
+    clipped sum of one micro-batch equals the patches' on WRN-10-1 (3x3, strided 3x3 and
+    strided 1x1 convolutions, GroupNorm) under a public mask and on the tanh CNN unmasked, each
+    example as 2 copies, with adversarial examples (a NaN image, zeroed and counted by both;
+    one scaled by 1e3; an all-zero one). tests/test_bookkeeping.py runs the option through
+    compile_pipeline."""
+    wrn_knobs(10, 1, "wrn.size = 16\nwrn.groups = 4")
+    model = models.make_model(10, name=name)
+    shape = (12, 12, 1) if name == "wrn" else (28, 28, 1)
+    params = model.init(jax.random.key(1), jnp.zeros((1,) + shape))
+    taps = discover_taps(model, jax.eval_shape(lambda: params), shape)
+    rng = np.random.default_rng()
+    b, copies = 6, 2
+    images = rng.uniform(size=(b * copies,) + shape).astype(np.float32)
+    images[0], images[2], images[4] = np.nan, 0.0, images[4] * 1e3  # examples 0, 1, 2
+    labels = np.repeat(rng.integers(0, 10, b), copies).astype(np.int32)
+    mask = np.arange(b) < b - 1  # the last example: padding
+    masks = jax.tree.map(lambda x: jnp.asarray(rng.integers(0, 2, x.shape), x.dtype),
+                         params) if masked else None
+    formed = set()  # the convolution taps whose kernels came from _conv_kernels
+    conv_kernels = bookkeeping._conv_kernels
+    monkeypatch.setattr(bookkeeping, "_conv_kernels", lambda x, delta, tap, n: formed.add(
+        tap.path) or conv_kernels(x, delta, tap, n))
+
+    def clipped(how):
+        return jax.jit(lambda p, x, y, m: bookkeeping.clipped_sum(
+            model, taps, p, x, y, m, 0.05, masks, copies=copies, conv_grads=how))(
+                params, images, labels, mask)
+
+    want, want_aux = clipped("patches")
+    assert formed == set()
+    got, got_aux = clipped("convolution")
+    assert formed == {t.path for t in taps if t.conv} != set()
+    scale = max(float(jnp.max(jnp.abs(w))) for w in jax.tree.leaves(want))
+    assert scale > 0  # not vacuous
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5 * scale)
+    assert float(got_aux["nonfinite"]) == float(want_aux["nonfinite"]) == 1.0
+    np.testing.assert_allclose(got_aux["loss"], want_aux["loss"], rtol=1e-5)
 
 
 USER_MODEL = textwrap.dedent('''

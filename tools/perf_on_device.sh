@@ -34,7 +34,8 @@
 #          train.log. A 30-epoch run (14 minutes of steps) does not fit one 10-minute call.
 #
 # BINDING adds one gin binding to every row of run and profile (an A/B of a knob: e.g.
-# BINDING='train.branch_free_step = True', the clipped sum without conditionals).
+# BINDING='train.branch_free_step = True', the clipped sum without conditionals, or
+# BINDING="train.conv_grads = 'convolution'", the WRN's per-example kernels without patches).
 #
 # SMOKE=1 shrinks every set (WRN-10-1 at B 16 x 2, a 32-32 MLP at B 256) for a CPU check of
 # the script itself; PYTHON picks the interpreter (default python3) and SKIP_INSTALL=1 keeps the

@@ -21,7 +21,7 @@ One clipped-sum function (:func:`masked_sum`) serves the step and the one-off re
 
 from dpbench.compiler.bind import bind
 from dpbench.compiler.facts import RUN_FACTS, RunFacts, RunInputs
-from dpbench.compiler.plan import Plan
+from dpbench.compiler.plan import Plan, StepOptions
 from dpbench.compiler.ledger import Accounting, account, step_mechanisms_of
 from dpbench.compiler.lower import STAGE_INPUTS, Lowered, TrainState, lower, one_off_release
 from dpbench.compiler.per_example import EXAMPLE_KEYS, masked_sum
@@ -29,6 +29,7 @@ from dpbench.compiler.pipeline import CompiledPipeline, account_only, compile_pi
 from dpbench.compiler.rules import PipelineError, ValidatedPipeline, validate_pipeline
 
 __all__ = ["Accounting", "CompiledPipeline", "EXAMPLE_KEYS", "Lowered", "PipelineError", "Plan",
+           "StepOptions",
            "RUN_FACTS", "RunFacts", "RunInputs", "STAGE_INPUTS", "TrainState",
            "ValidatedPipeline", "account", "account_only", "bind",
            "compile_pipeline", "lower", "masked_sum", "one_off_release", "step_mechanisms_of",

@@ -132,21 +132,22 @@ def masks_only(stages, clip_index: int) -> bool:
     return all(Mask.PER_EXAMPLE in s.privacy.public_mask for s in stages[1:clip_index])
 
 
-def _layer_terms(a, delta, kernel_mask, bias_mask, tap: Tap):
+def _layer_terms(a, delta, kernel_mask, bias_mask, tap: Tap, kernel=None):
     """One matmul layer, per example (T = a's positions, augmentation copies included):
     (squared norm of its masked gradient, its materialized UNmasked kernel gradient B x p x d
-    or None when the norm came from ghost products, its masked bias gradient B x p)."""
+    or None when the norm came from ghost products, its masked bias gradient B x p).
+    ``kernel``: that per-example kernel gradient already formed (_conv_kernels)."""
     bias = jnp.sum(delta, axis=1)
     if bias_mask is not None:
         bias = bias * bias_mask
     bias_sq = jnp.sum(jnp.square(bias), axis=1)
-    if a.shape[1] == 1:  # dense: ||(a delta^T) * M||^2 = (a^2 M^2) . delta^2, no a delta^T
+    if kernel is None and a.shape[1] == 1:  # dense: ||(a d^T) * M||^2 = (a^2 M^2) . d^2
         a2, d2 = jnp.square(a[:, 0]), jnp.square(delta[:, 0])
         if kernel_mask is None:
             return jnp.sum(a2, 1) * jnp.sum(d2, 1) + bias_sq, None, bias
         return jnp.sum((a2 @ jnp.square(kernel_mask)) * d2, 1) + bias_sq, None, bias
-    if kernel_mask is None and tap.ghost_is_cheaper_at(a.shape[1]):  # Gram over positions
-        gram_a = jnp.einsum("btd,bsd->bts", a, a)
+    if kernel is None and kernel_mask is None and tap.ghost_is_cheaper_at(a.shape[1]):
+        gram_a = jnp.einsum("btd,bsd->bts", a, a)  # Gram over positions
         gram_d = jnp.einsum("btp,bsp->bts", delta, delta)
         return jnp.sum(gram_a * gram_d, axis=(1, 2)) + bias_sq, None, bias
     # Materialized (reused for the weighted sum) outputs-first, B x p x d: XLA's CPU batched
@@ -154,11 +155,31 @@ def _layer_terms(a, delta, kernel_mask, bias_mask, tap: Tap):
     # The mask is the same for every example, so the kernel stays unmasked: the norm weighs its
     # squares by the mask's and the weighted sum is masked once (_weighted_sums), which saves
     # writing and re-reading a masked B x p x d copy.
-    kernel = jnp.einsum("btd,btp->bpd", a, delta)
+    if kernel is None:
+        kernel = jnp.einsum("btd,btp->bpd", a, delta)
     squares = jnp.square(kernel)
     if kernel_mask is not None:
         squares = squares * jnp.square(kernel_mask.T)
     return jnp.sum(squares, axis=(1, 2)) + bias_sq, kernel, bias
+
+
+def _conv_kernels(x, delta, tap: Tap, b: int):
+    """A convolution tap's per-example kernel gradients, outputs-first (b x p x d), from its
+    raw input x (b K images) and output gradient (b K outputs): each example's weight gradient
+    over its K copies as XLA computes a convolution's, vmapped over the examples (a grouped
+    convolution), so no image patches are formed. Same values as the patches' a^T delta."""
+    kernel_size, strides, padding = tap.conv
+    xs = x.reshape((b, -1) + x.shape[1:])
+    ds = delta.reshape((b, -1) + delta.shape[1:])
+    zeros = jnp.zeros(tuple(kernel_size) + (x.shape[-1], tap.outputs), x.dtype)
+
+    def one(xi, di):
+        def conv(kernel):
+            return jax.lax.conv_general_dilated(xi, kernel, strides, padding,
+                                                dimension_numbers=("NHWC", "HWIO", "NHWC"))
+        return jax.vjp(conv, zeros)[1](di)[0]
+
+    return jnp.swapaxes(jax.vmap(one)(xs, ds).reshape(b, -1, tap.outputs), 1, 2)
 
 
 def _affine_terms(a, delta, scale_mask, bias_mask, tap: Tap):
@@ -196,14 +217,16 @@ def _weighted_sums(terms: dict, scale, zero_bad: bool) -> dict:
     return out
 
 
-def _output_gradients(model, taps: tuple, params, images, labels, mask, copies: int = 1):
+def _output_gradients(model, taps: tuple, params, images, labels, mask, copies: int = 1,
+                      raw_convs: bool = False):
     """One batched forward and backward pass over the b x ``copies`` images (an example's
-    augmented copies adjacent): (layer inputs, output gradients of each example's own loss,
-    the mean over its copies, the per-example losses)."""
+    augmented copies adjacent): (layer inputs (a convolution's raw input with ``raw_convs``,
+    else its image patches), output gradients of each example's own loss, the mean over its
+    copies, the per-example losses)."""
     perturbations = {t.path: jnp.zeros((images.shape[0],) + t.output_shape) for t in taps}
 
     def total_loss(perturbations):
-        logits, inputs = forward(model, params, images, perturbations)
+        logits, inputs = forward(model, params, images, perturbations, raw_convs=raw_convs)
         losses = models.logits_loss(logits, labels)
         if copies > 1:
             losses = losses.reshape(-1, copies).mean(axis=1)
@@ -232,7 +255,7 @@ def _example_rows(inputs, deltas, tap: Tap, b: int):
 
 def clipped_sum(model, taps: tuple, params, images, labels, mask, l2_bound: float,
                 masks: Optional[dict] = None, transform=None, elementwise: bool = False,
-                copies: int = 1, branch_free: bool = False):
+                copies: int = 1, branch_free: bool = False, conv_grads: str = "patches"):
     """For one micro-batch: (sum_i c_i h(g_i) as a params-shaped tree, {"loss", "nonfinite"}),
     with g_i the gradient of example i's loss, h the per-example stages between the gradient and
     the clip, c_i = min(1, C / ||h(g_i)||) for a finite value of a real example (mask_i), else 0.
@@ -246,9 +269,12 @@ def clipped_sum(model, taps: tuple, params, images, labels, mask, l2_bound: floa
     (batched over examples, e.g. Nasr's discretization vmapped); ``elementwise``: h is one
     scalar function on every coordinate, so it may see the kernels outputs-first (faster).
     ``branch_free``: always the weighted sum that zeroes non-finite examples (the same sum when
-    all are finite), instead of choosing it by a data-dependent conditional."""
+    all are finite), instead of choosing it by a data-dependent conditional. ``conv_grads``
+    'convolution': a convolution's per-example kernel gradients by _conv_kernels, not from its
+    image patches (not for a ``transform``, which reads the patches)."""
+    raw_convs = conv_grads == "convolution" and transform is None
     inputs, deltas, losses = _output_gradients(model, taps, params, images, labels, mask,
-                                               copies)
+                                               copies, raw_convs)
     if transform is not None:
         return _transformed_sum(taps, params, inputs, deltas, losses, mask, l2_bound, transform,
                                 elementwise, branch_free)
@@ -258,13 +284,19 @@ def clipped_sum(model, taps: tuple, params, images, labels, mask, l2_bound: floa
         first, second = t.leaves
         fmask, bmask = (None, None) if masks is None else (
             _get(masks["params"], t.path + (first,)), _get(masks["params"], t.path + (second,)))
-        a, delta = _example_rows(inputs, deltas, t, b)
+        kernel = None
+        if raw_convs and t.conv:  # its raw input, one row of channels per position
+            kernel = _conv_kernels(inputs[t.path], deltas[t.path], t, b)
+            x = inputs[t.path]
+            a, delta = x.reshape(b, -1, x.shape[-1]), deltas[t.path].reshape(b, -1, t.outputs)
+        else:
+            a, delta = _example_rows(inputs, deltas, t, b)
         if t.kind == AFFINE:
             sq, materialized, bias = _affine_terms(a, delta, fmask, bmask, t)
             fmask = None
         else:
             fmask = None if fmask is None else fmask.reshape(t.inputs, t.outputs)
-            sq, materialized, bias = _layer_terms(a, delta, fmask, bmask, t)
+            sq, materialized, bias = _layer_terms(a, delta, fmask, bmask, t, kernel)
         squares = squares + sq
         terms[t.path] = (a, delta, materialized, bias, fmask)
     scale, finite, diagnostics = _clip_scale(squares, losses, mask, l2_bound)

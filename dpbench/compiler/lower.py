@@ -12,7 +12,7 @@ import optax
 from dpbench import sharding
 from dpbench.stages.base import Kind, Mask, StepContext, apply_mask
 from dpbench.ops import add_gaussian_noise, clip_to_l2, zero_if_nonfinite
-from dpbench.compiler.plan import Plan
+from dpbench.compiler.plan import Plan, StepOptions
 from dpbench.compiler.ledger import Accounting
 from dpbench.compiler.per_example import clipped_sum_fn, masked_sum
 
@@ -54,14 +54,14 @@ class Lowered(NamedTuple):
 
 
 def lower(plan: Plan, acct: Accounting, *, ema_decay: float = 0.0,
-          fidelity_diagnostics: bool = False, branch_free: bool = False) -> Lowered:
-    """The step function and the initial state of a bound, accounted pipeline; ``branch_free``:
-    its clipped sum without data-dependent conditionals (per_example.masked_sum)."""
+          fidelity_diagnostics: bool = False, options: StepOptions = StepOptions()) -> Lowered:
+    """The step function and the initial state of a bound, accounted pipeline, its clipped sum
+    lowered as ``options`` say."""
     loss_fn = plan.run_facts.get("loss_fn")
     expected_batch_size = float(plan.run_facts.get("expected_batch_size"))
     step = _make_step(plan, acct, loss_fn, expected_batch_size, ema_decay, fidelity_diagnostics,
-                      branch_free)
-    begin_step, clipped_sum = begin_step_fn(plan), clipped_sum_fn(plan, branch_free)
+                      options)
+    begin_step, clipped_sum = begin_step_fn(plan), clipped_sum_fn(plan, options)
 
     def clipped_sum_at(state: TrainState, batch: dict):
         key = _step_key(state)
@@ -87,9 +87,9 @@ def _step_key(state: TrainState) -> jax.Array:
 
 
 def _make_step(plan, acct, loss_fn, expected_batch_size, ema_decay, fidelity_diagnostics,
-               branch_free):
+               options):
     begin_step = begin_step_fn(plan)
-    clipped_sum = clipped_sum_fn(plan, branch_free)
+    clipped_sum = clipped_sum_fn(plan, options)
     batch_stages = _batch_stages_fn(plan, acct, expected_batch_size)
 
     def step_fn(state: TrainState, batch: dict):

@@ -14,7 +14,7 @@ from dpbench.compiler import bookkeeping
 from dpbench.stages.base import Kind, Mask, StepContext, apply_mask
 from dpbench.stages.grad import augmented_copies
 from dpbench.ops import zero_if_nonfinite
-from dpbench.compiler.plan import Plan
+from dpbench.compiler.plan import Plan, StepOptions
 
 
 EXAMPLE_KEYS = ("image", "label")
@@ -81,7 +81,7 @@ def _augmented_copies(grad_stage, step_key, images, labels, positions):
     return (augmented.reshape((-1,) + images.shape[1:]), jnp.repeat(labels, copies), copies)
 
 
-def _bookkeeping_sum_fn(plan: Plan, branch_free: bool):
+def _bookkeeping_sum_fn(plan: Plan, options: StepOptions):
     """The book-keeping strategy's clipped sum (bookkeeping.clipped_sum per micro-batch, empty
     micro-batches skipped; augmented copies drawn as the gradient stage draws them). Stages
     between the gradient and the clip enter as the product of their public masks when all are
@@ -117,9 +117,10 @@ def _bookkeeping_sum_fn(plan: Plan, branch_free: bool):
             return bookkeeping.clipped_sum(plan.model, plan.taps, params, images, labels, mask,
                                            plan.stages[clip_index].privacy.l2_bound, masks,
                                            transform,
-                                           elementwise, copies, branch_free)
+                                           elementwise, copies, options.branch_free,
+                                           options.conv_grads)
 
-        return _sum_over_micro_batches(micro, batch, branch_free)
+        return _sum_over_micro_batches(micro, batch, options.branch_free)
 
     return clipped_sum
 
@@ -148,7 +149,7 @@ def _sum_over_micro_batches(micro: Callable, batch: dict, branch_free: bool):
     return jax.lax.scan(body, zeros, xs)[0]
 
 
-def _layer_clip_sum_fn(plan: Plan, branch_free: bool):
+def _layer_clip_sum_fn(plan: Plan, options: StepOptions):
     """The clip stage's own book-keeping form (``Hooks.layer_clip``, GEP): per micro-batch,
     every example's layer gradients from one batched backward pass, clipped and summed by the
     stage's contractions; an example whose loss or value is not finite is left out and counted,
@@ -169,7 +170,7 @@ def _layer_clip_sum_fn(plan: Plan, branch_free: bool):
             return total, {"loss": jnp.sum(jnp.where(keep, losses, 0.0)),
                            "nonfinite": jnp.sum(mask & ~keep).astype(jnp.float32)}
 
-        total, aux = _sum_over_micro_batches(micro, batch, branch_free)
+        total, aux = _sum_over_micro_batches(micro, batch, options.branch_free)
         if fns.hooks.finish_sum is not None:
             total = fns.hooks.finish_sum(total, states[clip_index])
         return total, aux
@@ -177,14 +178,14 @@ def _layer_clip_sum_fn(plan: Plan, branch_free: bool):
     return clipped_sum
 
 
-def clipped_sum_fn(plan: Plan, branch_free: bool = False):
+def clipped_sum_fn(plan: Plan, options: StepOptions = StepOptions()):
     """(params, states, step, step_key, batch) -> (sum of clipped per-example values,
-    {"loss": sum of finite losses, "nonfinite": count}) over the batch's real examples.
-    ``branch_free``: the same sum with no data-dependent conditional (masked_sum's)."""
+    {"loss": sum of finite losses, "nonfinite": count}) over the batch's real examples,
+    lowered as ``options`` say (the same sum either way)."""
     if plan.strategy == "bookkeeping":
         if plan.fns[plan.validated.clip_index].hooks.layer_clip is not None:
-            return _layer_clip_sum_fn(plan, branch_free)
-        return _bookkeeping_sum_fn(plan, branch_free)
+            return _layer_clip_sum_fn(plan, options)
+        return _bookkeeping_sum_fn(plan, options)
     clip_index = plan.validated.clip_index
     # A stage between the gradient and the clip that is not a public mask (Nasr's ternary) may
     # map a non-finite gradient to finite values, and a loss can be finite where the gradient
@@ -221,7 +222,7 @@ def clipped_sum_fn(plan: Plan, branch_free: bool = False):
             loss = jnp.where(nonfinite > 0, 0.0, aux["loss"])
             return value, {"loss": loss, "nonfinite": nonfinite}
 
-        total, aux = masked_sum(per_example, batch, branch_free)
+        total, aux = masked_sum(per_example, batch, options.branch_free)
         for i in range(plan.num_per_example):  # public linear maps of the sum (GEP's residual)
             if plan.fns[i].hooks.finish_sum is not None:
                 total = plan.fns[i].hooks.finish_sum(total, states[i])

@@ -16,7 +16,7 @@ from dpbench.accounting import Budget
 from dpbench.stages.base import Stage
 from dpbench.compiler.bind import bind
 from dpbench.compiler.facts import RunFacts, RunInputs
-from dpbench.compiler.plan import Plan
+from dpbench.compiler.plan import Plan, StepOptions
 from dpbench.compiler.ledger import Accounting, account
 from dpbench.compiler.lower import STAGE_INPUTS, Lowered, lower
 from dpbench.compiler.rules import validate_pipeline
@@ -146,15 +146,15 @@ def account_only(stages: Sequence[Stage], inputs: RunInputs) -> Accounting:
 def compile_pipeline(stages: Sequence[Stage], inputs: RunInputs, *, micro_batch_size: int,
                      mesh: Optional[Mesh] = None, ema_decay: float = 0.0,
                      fidelity_diagnostics: bool = False, host_seed: int = 0,
-                     branch_free: bool = False) -> CompiledPipeline:
+                     step_options: StepOptions = StepOptions()) -> CompiledPipeline:
     """bind -> account -> lower, then shape checks (jax.eval_shape) and jit on the mesh.
 
     ``inputs`` (:class:`RunInputs`) is what the run is compiled from; the stages read its run
     facts (compiler/facts.py). ``inputs.noise_multiplier=None`` calibrates sigma to the budget
     (the normal path); a given value is used as is. ``fidelity_diagnostics`` adds the
     non-private metrics ``fidelity_cosine`` and ``noise_to_signal``. ``host_seed`` seeds the
-    stages' public host randomness. ``branch_free`` lowers the clipped sum without
-    data-dependent conditionals (the same sum; for a GPU, see TrainConfig). ``inputs.model`` (the flax module behind ``loss_fn``, a
+    stages' public host randomness. ``step_options`` (:class:`StepOptions`) choose how the
+    clipped sum is lowered, for speed (the same sums). ``inputs.model`` (the flax module behind ``loss_fn``, a
     models.cross_entropy_loss) lets the compiler pick book-keeping where it applies.
     """
     mesh = sharding.make_mesh() if mesh is None else mesh
@@ -167,7 +167,7 @@ def compile_pipeline(stages: Sequence[Stage], inputs: RunInputs, *, micro_batch_
     plan = bind(stages, facts, validated)
     acct = account(plan, sampler, inputs.budget, inputs.total_steps, inputs.noise_multiplier)
     lowered = lower(plan, acct, ema_decay=ema_decay, fidelity_diagnostics=fidelity_diagnostics,
-                    branch_free=branch_free)
+                    options=step_options)
     batch_shapes = _batch_shapes(plan, micro_steps, micro_batch_size, inputs.example_shape)
     examples_only = {k: v for k, v in batch_shapes.items() if k != STAGE_INPUTS}
     needs_release = any(s.privacy.one_off_release is not None for s in plan.stages)

@@ -10,6 +10,27 @@ from dpbench.compiler.rules import ValidatedPipeline
 from dpbench.stages.base import Kind
 
 
+CONV_GRADS = ("patches", "convolution")
+
+
+@dataclasses.dataclass(frozen=True)
+class StepOptions:
+    """How the clipped sum is lowered: speed only, every choice gives the same sums (within
+    float rounding). ``branch_free``: no data-dependent conditional (every micro-batch runs,
+    book-keeping always takes its weighted sum that zeroes non-finite examples).
+    ``conv_grads``: book-keeping's per-example convolution kernels from the input's image
+    patches ("patches") or by XLA's own convolution of the input with the output gradient,
+    vmapped over the examples ("convolution"; no patches formed)."""
+
+    branch_free: bool = False
+    conv_grads: str = "patches"
+
+    def __post_init__(self):
+        if self.conv_grads not in CONV_GRADS:
+            raise ValueError(f"train.conv_grads must be one of {CONV_GRADS}, got "
+                             f"{self.conv_grads!r}")
+
+
 @dataclasses.dataclass(frozen=True)
 class Plan:
     """A validated pipeline bound to one run: declarations, step functions, run facts."""

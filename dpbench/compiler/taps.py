@@ -47,6 +47,7 @@ class Tap:
     outputs: int
     output_shape: tuple  # one example's output shape (the perturbation's)
     kind: str = MATMUL
+    conv: tuple = ()  # a convolution's (kernel size, strides, padding); () for other layers
 
     @property
     def leaves(self) -> tuple:
@@ -88,6 +89,15 @@ def kind_of(module) -> Optional[str]:
     return None
 
 
+def conv_geometry(module) -> tuple:
+    """(kernel size, strides, padding) of a convolution tap layer, () for any other layer."""
+    if isinstance(module, models.PatchConv):
+        return tuple(module.kernel_size), tuple(module.strides), module.padding
+    if isinstance(module, nn.Conv):
+        return tuple(module.kernel_size), _strides(module), module.padding
+    return ()
+
+
 def _layer_input(module, x):
     """What the layer's parameter gradient multiplies the output gradient with: a Dense's
     input, a convolution's image patches, GroupNorm's normalized input."""
@@ -106,17 +116,22 @@ def _layer_input(module, x):
 
 
 def forward(model: nn.Module, params, images, perturbations: Optional[dict] = None,
-            calls: Optional[collections.Counter] = None):
+            calls: Optional[collections.Counter] = None, raw_convs: bool = False,
+            geometry: Optional[dict] = None):
     """(logits, {path: layer input}) for a batch; ``perturbations[path]`` (batch x output
     shape) is added to that tap layer's output, so its gradient is the output gradient;
-    ``calls`` counts each tap layer's calls."""
+    ``calls`` counts each tap layer's calls, ``geometry`` gets each one's conv_geometry.
+    ``raw_convs``: a convolution's input as it is, not its image patches."""
     inputs = {}
 
     def interceptor(next_fun, args, kwargs, context):
         module = context.module
         if context.method_name != "__call__" or kind_of(module) is None:
             return next_fun(*args, **kwargs)
-        inputs[module.path] = _layer_input(module, args[0])
+        if geometry is not None:
+            geometry[module.path] = conv_geometry(module)
+        raw = raw_convs and conv_geometry(module)
+        inputs[module.path] = args[0] if raw else _layer_input(module, args[0])
         if calls is not None:
             calls[module.path] += 1
         out = next_fun(*args, **kwargs)
@@ -133,13 +148,13 @@ def _param_paths(params_shape) -> list:
 
 
 def _traced(model: nn.Module, params_shape, example_shape) -> tuple[dict, collections.Counter]:
-    """(tap path -> one batch's layer input shape, calls per tap path), by tracing the model's
-    forward pass on one example (no compute)."""
-    shapes, calls = {}, collections.Counter()
+    """(tap path -> (one batch's layer input shape, the layer's conv_geometry), calls per tap
+    path), by tracing the model's forward pass on one example (no compute)."""
+    shapes, calls, geometry = {}, collections.Counter(), {}
 
     def trace(params, images):
-        logits, inputs = forward(model, params, images, calls=calls)
-        shapes.update({p: a.shape for p, a in inputs.items()})
+        logits, inputs = forward(model, params, images, calls=calls, geometry=geometry)
+        shapes.update({p: (a.shape, geometry[p]) for p, a in inputs.items()})
         return logits
 
     x = jax.ShapeDtypeStruct((1,) + tuple(example_shape), jnp.float32)
@@ -167,7 +182,7 @@ def untapped_parameters(model: nn.Module, params_shape, example_shape) -> list:
     (``discover_taps`` None)."""
     shapes, calls = _traced(model, params_shape, example_shape)
     leaves = set(_param_paths(params_shape))
-    usable = {path for path, shape in shapes.items() if calls[path] == 1 and
+    usable = {path for path, (shape, _) in shapes.items() if calls[path] == 1 and
               _kind_and_sizes(path, shape, leaves, params_shape) is not None}
     untapped = sorted("/".join(map(str, leaf)) for leaf in leaves if leaf[:-1] not in usable)
     repeated = sorted(f"{'/'.join(map(str, path))} (called {calls[path]} times)"
@@ -182,14 +197,14 @@ def discover_taps(model: nn.Module, params_shape, example_shape) -> Optional[tup
     shapes, calls = _traced(model, params_shape, example_shape)
     leaves = set(_param_paths(params_shape))
     taps, covered = [], set()
-    for path, shape in shapes.items():
+    for path, (shape, conv) in shapes.items():
         sizes = _kind_and_sizes(path, shape, leaves, params_shape)
         if calls[path] != 1 or sizes is None:
             return None
         kind, d, p = sizes
         covered.update(path + (leaf,) for leaf in LEAVES[kind])
         positions = math.prod(shape[1:-1]) if len(shape) > 2 else 1
-        taps.append(Tap(path, positions, d, p, tuple(shape[1:-1]) + (p,), kind))
+        taps.append(Tap(path, positions, d, p, tuple(shape[1:-1]) + (p,), kind, conv))
     if covered != leaves:
         return None
     return tuple(sorted(taps, key=lambda t: t.path))

@@ -148,6 +148,9 @@ def main(argv=None) -> int:
                         help="extra gin bindings, e.g. 'wrn.depth = 10' for a CPU smoke run")
     parser.add_argument("--materialized_too", action="store_true",
                         help="also time the DP-SGD step with book-keeping turned off")
+    parser.add_argument("--also", action="append", default=[],
+                        help="also time the DP-SGD step with this gin binding added (an A/B of "
+                             "a step knob, e.g. \"train.conv_grads = 'convolution'\")")
     args = parser.parse_args(argv)
     settings = SETTINGS if args.settings is None else [
         tuple(int(v) for v in s.split(",")) for s in args.settings]
@@ -163,7 +166,10 @@ def main(argv=None) -> int:
             dp["padded_batch"], micro, batch, args.steps)
         slow_ms = 1e3 * dp_sgd(batch, augmult, micro, args.steps, args.binding,
                                materialized=True)["step_s"] if args.materialized_too else None
+        also_ms = {b: 1e3 * dp_sgd(batch, augmult, micro, args.steps, [*args.binding, b])[
+            "step_s"] for b in args.also}
         rows.append(dict(batch=batch, augmult=augmult, micro_batch=micro,
+                         dp_sgd_also_ms=also_ms,
                          padded_batch=dp["padded_batch"], dp_sgd_ms=1e3 * dp["step_s"],
                          dp_sgd_materialized_ms=slow_ms,
                          non_private_ms=1e3 * plain, ratio=dp["step_s"] / plain,
@@ -184,6 +190,9 @@ def main(argv=None) -> int:
         print(f"| {r['batch']} x {r['augmult']} ({r['micro_batch']}; {r['padded_batch']}) | "
               f"{r['non_private_ms']:.1f} | {r['dp_sgd_ms']:.1f} ({r['strategy']}) | "
               f"{r['ratio']:.2f}x | {slow} | {vmap} |")
+        for binding, ms in r["dp_sgd_also_ms"].items():
+            print(f"|   DP-SGD with `{binding}` | | {ms:.1f} | {ms / r['dp_sgd_ms']:.2f}x "
+                  "DP-SGD | | |")
     return 0
 
 

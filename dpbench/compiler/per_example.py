@@ -53,13 +53,19 @@ def masked_sum(per_example: Callable, batch: dict, branch_free: bool = False) ->
 
         return jax.tree.map(masked, out)
 
-    def body(total, micro):
-        part = compute(micro) if branch_free else jax.lax.cond(
-            jnp.any(micro[1]), compute, lambda _: zeros, micro)
+    return _scan_sum(compute, (examples, batch["mask"], positions), 1, zeros, branch_free)
+
+
+def _scan_sum(compute: Callable, xs: tuple, mask_at: int, zeros, branch_free: bool):
+    """The sum over micro-batches of ``compute(x)``, x a micro-batch's slice of ``xs`` (whose
+    ``mask_at``-th member is its mask), under lax.scan: one with no real example is skipped by
+    a lax.cond (it contributes exactly zero), or with ``branch_free`` runs and adds zeros."""
+    def body(total, x):
+        part = compute(x) if branch_free else jax.lax.cond(
+            jnp.any(x[mask_at]), compute, lambda _: zeros, x)
         return jax.tree.map(jnp.add, total, part), None
 
-    total, _ = jax.lax.scan(body, zeros, (examples, batch["mask"], positions))
-    return total
+    return jax.lax.scan(body, zeros, xs)[0]
 
 
 def _augmented_copies(grad_stage, step_key, images, labels, positions):
@@ -141,12 +147,7 @@ def _sum_over_micro_batches(micro: Callable, batch: dict, branch_free: bool):
     zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype),
                          jax.eval_shape(micro, *(x[0] for x in xs)))
 
-    def body(total, x):
-        part = micro(*x) if branch_free else jax.lax.cond(
-            jnp.any(x[2]), lambda x: micro(*x), lambda _: zeros, x)
-        return jax.tree.map(jnp.add, total, part), None
-
-    return jax.lax.scan(body, zeros, xs)[0]
+    return _scan_sum(lambda x: micro(*x), xs, 2, zeros, branch_free)
 
 
 def _layer_clip_sum_fn(plan: Plan, options: StepOptions):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from dpbench.stages import order
 from dpbench.stages.base import (Kind, Mask, OneOffRelease, Privacy, Stage, StageFns,
                                  apply_mask, register_stage)
 
@@ -93,7 +94,7 @@ def synflow_mask(params, linear_apply, example_shape, sparsity: float, iteration
         flat = jnp.concatenate([jnp.ravel(s) for s, p in zip(jax.tree.leaves(scores),
                                                             jax.tree.leaves(prunable)) if p])
         keep = int(round(total * (1.0 - sparsity) ** (k / iterations)))
-        threshold = jnp.sort(flat)[::-1][max(keep - 1, 0)]
+        threshold = order.kth_largest(flat, max(keep, 1))  # no float sort (order.py)
         mask = jax.tree.map(lambda s, m, p: jnp.where(p, (s >= threshold) * m, m).astype(m.dtype),
                             scores, mask, prunable)
     return mask
@@ -123,7 +124,7 @@ def top_fraction_mask(scores, params, keep_fraction: float):
     flat = jnp.concatenate([jnp.ravel(s) for s, p in zip(jax.tree.leaves(scores),
                                                         jax.tree.leaves(prunable)) if p])
     keep = max(int(round(flat.size * keep_fraction)), 1)
-    threshold = jnp.sort(flat)[::-1][keep - 1]
+    threshold = order.kth_largest(flat, keep)
     return jax.tree.map(lambda s, w, p: jnp.where(p, s >= threshold, True).astype(w.dtype),
                         scores, params, prunable)
 

@@ -79,13 +79,20 @@ def _smallest_by_search(keys, count):
 def kth_smallest(keys, count):
     """Per row of uint32 ``keys``: the ``count``-th smallest key (counts [..., 1], each in
     [1, row length]), without sorting: the largest value v with fewer than ``count`` keys below
-    it, built from the top bit down (32 passes of one compare-and-count over the row)."""
+    it, built bit by bit from the highest bit in which two keys differ (the bits above it are
+    every key's; one pass of compare-and-count over the row per bit: 9 for GIP's Mallows
+    priorities, up to 32 for random or float keys)."""
+    low, high = jnp.min(keys), jnp.max(keys)
+    bits = 32 - jax.lax.clz(low ^ high).astype(jnp.int32)         # 0 when every key is equal
+    below_top = (jnp.uint32(1) << bits.astype(jnp.uint32)) - 1    # wraps to all ones at 32
+    shared = jnp.full(keys.shape[:-1] + (1,), low & ~below_top, jnp.uint32)
+
     def next_bit(i, value):
-        candidate = value | (jnp.uint32(1) << (31 - i).astype(jnp.uint32))
+        candidate = value | (jnp.uint32(1) << (bits - 1 - i).astype(jnp.uint32))
         below = jnp.sum(keys < candidate, axis=-1, keepdims=True, dtype=jnp.int32)
         return jnp.where(below < count, candidate, value)
 
-    return jax.lax.fori_loop(0, 32, next_bit, jnp.zeros(keys.shape[:-1] + (1,), jnp.uint32))
+    return jax.lax.fori_loop(0, bits, next_bit, shared)
 
 
 def _below_and_first_ties(keys, count, threshold, tie_free_shortcut: bool):

@@ -36,13 +36,16 @@ def _argsort_selection(keys, counts):
 @pytest.mark.parametrize("impl", ["_smallest_by_search", "_smallest_by_sort"])
 def test_both_thresholds_select_the_stable_argsort_set(impl):
     """The CPU's bitwise search and the accelerators' sort give the same set as a stable
-    argsort, on random 32-bit keys, on keys with many ties, at the ends of the key range, for
-    counts 0, 1, the row length and beyond."""
+    argsort, on random 32-bit keys, on keys with many ties, at the ends of the key range, all
+    equal, or sharing their high bits, for counts 0, 1 and the row length."""
     rng = np.random.default_rng()
     fn = jax.jit(lambda k, c: getattr(order, impl)(k, c[:, None]))
     rows = [rng.integers(0, 2**32, size=(6, 97), dtype=np.uint64).astype(np.uint32),
             rng.integers(0, 4, size=(6, 97)).astype(np.uint32),
-            rng.choice(np.array([0, 1, 2**31, 2**32 - 2, 2**32 - 1], np.uint32), size=(6, 97))]
+            rng.choice(np.array([0, 1, 2**31, 2**32 - 2, 2**32 - 1], np.uint32), size=(6, 97)),
+            np.full((6, 97), 0xABCD1234, np.uint32),  # every key equal: no bit to search
+            # a shared high prefix, then 9 bits (GIP's Mallows priorities are 0..256)
+            (0xABCD0000 + rng.integers(0, 257, size=(6, 97))).astype(np.uint32)]
     for keys in rows:
         counts = rng.integers(1, 97, size=6)
         counts[:3] = 0, 1, 97

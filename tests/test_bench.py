@@ -431,4 +431,11 @@ def test_perf_on_device_refuses_an_unknown_set_or_a_missing_out_before_any_work(
     no_out = subprocess.run(["bash", str(script), "run", "tanh4096"], capture_output=True,
                             text=True, env=env, timeout=60)
     assert no_out.returncode != 0 and "set OUT" in no_out.stderr
+    for command in (["ab", "mlp4096", "mlp4069"], ["profile", "mlp4069"]):  # the same checks
+        bad = subprocess.run(["bash", str(script), *command], capture_output=True, text=True,
+                             env=dict(env, OUT=str(tmp_path)), timeout=60)
+        assert bad.returncode == 2 and "unknown set mlp4069" in bad.stderr, command
+    no_out = subprocess.run(["bash", str(script), "ab"], capture_output=True, text=True,
+                            env=env, timeout=60)
+    assert no_out.returncode != 0 and "set OUT" in no_out.stderr
     assert list(tmp_path.iterdir()) == []

@@ -33,6 +33,15 @@
 #          BUDGET_S seconds; $OUT/train-run_record.json, train-metrics.jsonl, train-config.gin,
 #          train.log. A 30-epoch run (14 minutes of steps) does not fit one 10-minute call.
 #
+#   there: bash tools/perf_on_device.sh ab [SET ...]   (default: wrn256 mlp4096 tanh4096)
+#          the step's speed knobs A/B'd in one call: `run` with DP-SGD only, once per VARIANT
+#          (AB_VARIANTS, ';'-separated, each 'base', a gin binding or XLA_FLAGS=...; default:
+#          base, train.branch_free_step, train.conv_grads 'convolution' and XLA's GPU command
+#          buffers with conditionals and loops), BUDGET_S shared equally; every variant's run
+#          has its own JAX non-private row, so each ratio has its own reference.
+#          $OUT/ab.md (each variant's rows), ab-reports.tar.gz (their JSON), logs.tar.gz.
+#
+# PIPELINES (comma-separated) replaces each set's pipelines in run, e.g. PIPELINES=dpsgd.
 # BINDING adds one gin binding to every row of run and profile (an A/B of a knob: e.g.
 # BINDING='train.branch_free_step = True', the clipped sum without conditionals, or
 # BINDING="train.conv_grads = 'convolution'", the WRN's per-example kernels without patches).
@@ -77,6 +86,7 @@ set_args() {  # the harness flags of one SET, into ARGS and PIPES (its pipelines
                 "--gin_bindings=train.batch_size = 16" "--gin_bindings=train.micro_batch_size = 8"
                 "--gin_bindings=train.epochs = 0.01")
   fi
+  [ -z "${PIPELINES:-}" ] || IFS=, read -ra PIPES <<< "$PIPELINES"
   SIZES=(--batch_sizes="$BATCH" --micro_batch_sizes="$MICRO")  # the harness's flags
   [ -z "${BINDING:-}" ] || ARGS+=("--bindings=$BINDING")  # one more gin binding, every row
   return 0
@@ -146,7 +156,7 @@ run)
       --steps=10 --warmup=2 --out="$logs/$s.md" > "$logs/$s.log" 2>&1 \
       || echo "$s stopped early (exit $?): its report says how far it got"
     cp "$logs/$s.json" "$OUT/" 2>/dev/null || true  # at most 8 files come back
-    grep -h "ok:\|FAILED\|failed" "$logs/$s.log" || true
+    grep -h "\] round\|ok:\|FAILED\|failed" "$logs/$s.log" || true  # each row, then its time
   done
   tar czf "$OUT/logs.tar.gz" -C "$logs" .
   t=$(left "$budget")
@@ -169,6 +179,33 @@ profile)
   done
   tar czf "$OUT/logs.tar.gz" -C "$LOGS" .
   ;;
+ab)
+  shift
+  sets=("$@"); [ "${#sets[@]}" -gt 0 ] || sets=(wrn256 mlp4096 tanh4096)
+  for s in "${sets[@]}"; do set_args "$s"; done
+  IFS=';' read -ra variants <<< "${AB_VARIANTS:-base;train.branch_free_step = True;train.conv_grads = 'convolution';XLA_FLAGS=--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,CONDITIONAL,WHILE}"
+  setup
+  share=$(( (${BUDGET_S:-540} - ($(date +%s) - START)) / ${#variants[@]} ))
+  reports=$(mktemp -d)
+  for i in "${!variants[@]}"; do
+    v="${variants[$i]}" sub="$reports/variant-$i"
+    mkdir -p "$sub"
+    echo "### variant $i: $v" | tee -a "$OUT/ab.md"
+    binding="" flags="${XLA_FLAGS:-}"
+    case "$v" in
+      base) ;;
+      XLA_FLAGS=*) flags="${v#XLA_FLAGS=}";;
+      *) binding="$v";;
+    esac
+    OUT="$sub" SKIP_INSTALL=1 TRAIN_MIN_S=1000000 BUDGET_S="$share" \
+      PHASE1_S=$(( share * 2 / 5 )) PIPELINES=dpsgd BINDING="$binding" XLA_FLAGS="$flags" \
+      bash "$0" run "${sets[@]}" 2>&1 | tee "$LOGS/ab-variant-$i.log" \
+      | grep -h "\] round\|ok:\|FAILED\|failed\|stopped\|no time" | tee -a "$OUT/ab.md" || true
+  done
+  tar czf "$OUT/ab-reports.tar.gz" -C "$reports" .
+  tar czf "$OUT/logs.tar.gz" -C "$LOGS" .
+  echo "done at $(( $(date +%s) - START )) s"
+  ;;
 train)
   set_args wrn256  # TRAIN_ARGS (SMOKE's sizes)
   setup
@@ -176,7 +213,8 @@ train)
   echo "done at $(( $(date +%s) - START )) s"
   ;;
 *)
-  echo "usage: $0 prepare | $0 run [SET ...] | $0 profile [SET ...] | $0 train  (sets:" \
+  echo "usage: $0 prepare | $0 run [SET ...] | $0 profile [SET ...] | $0 ab [SET ...] |" \
+       "$0 train  (sets:" \
        "${ALL_SETS[*]})" >&2
   exit 2
   ;;

@@ -4,9 +4,10 @@ XLA's CPU argsort sorts (key, index) pairs through a comparator and float sorts 
 comparator: 3.5 ms for 26K float32 entries on 2 cores, against 0.5 ms for a plain sort of
 uint32 values (benchmarks/speed.py, docs/speed.md). So selections order integer keys only and
 recover the positions from the k-th smallest key and a cumulative count of ties. That key comes
-from a sort of the keys on accelerators, and on CPU from a 32-pass bitwise search (each pass one
-compare-and-count over the row): 2.7x to 4.8x faster than XLA's CPU sort from 26K to 5.8M keys
-(docs/speed.md), where a wide model's per-step masks spent most of their step sorting.
+from a sort of the keys on accelerators, and on CPU from a bitwise search (``kth_smallest``: one
+compare-and-count over the row per bit, at most 32): 2.7x to 4.8x faster than XLA's CPU sort
+from 26K to 5.8M keys (docs/speed.md), where a wide model's per-step masks spent most of their
+step sorting.
 """
 
 from __future__ import annotations

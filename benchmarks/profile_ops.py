@@ -1,7 +1,7 @@
 """Where a pipeline's step spends its time, per XLA operation:
 ``python -m benchmarks.profile_ops --pipeline=dpsgd --batch_size=1024 [--top=25]``.
 
-Builds the pipeline exactly as the speed benchmark does (``workers.build_dp_run``: train.train's
+Builds the pipeline exactly as the speed benchmark does (``workers.build_dp_run``: run.train's
 own construction), runs ``--warmup`` steps, then traces ``--steps`` steps with the JAX profiler
 and sums the trace's events per operation of the compiled step (names found in the step's
 optimized HLO; the runtime's own events and Python frames are left out). Prints per operation:

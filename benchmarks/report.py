@@ -4,7 +4,6 @@ versions, rendered to Markdown (and JSON)."""
 from __future__ import annotations
 
 import json
-import math
 from typing import Optional, Sequence
 
 import numpy as np
@@ -12,10 +11,6 @@ import numpy as np
 from benchmarks.common import BOUND_LABEL, FLOOR_LABEL, GEP_BOUNDS, GEP_FAMILY, ONCE
 from benchmarks.machine import extensions_text
 from benchmarks.trial_cost import trial_cost_section
-
-
-def _finite_positive(x) -> bool:
-    return isinstance(x, (int, float)) and math.isfinite(x) and x > 0
 
 
 def _ms(row) -> Optional[float]:
@@ -242,7 +237,7 @@ def render(report: dict) -> str:
               f"- data: `{o['data_gin']}`, model: `{o['model_gin'] or '(from the gin files)'}`; "
               f"{o['steps']} timed steps after {o['warmup']} warm-up steps per configuration; "
               f"median reported.",
-              "- dpbench: every pipeline compiled as `train.train` compiles it, micro-batch "
+              "- dpbench: every pipeline compiled as `run.train` compiles it, micro-batch "
               + ", ".join(f"{size} at B={b}" if b else f"{size} otherwise"
                           for b, size in o["micro_batch_sizes"]) + ", sigma "
               f"{'calibrated' if o['noise_multiplier'] is None else o['noise_multiplier']} "
@@ -296,7 +291,7 @@ def render(report: dict) -> str:
     job = report.get("main_job")
     lines += ["", "## Main job", ""]
     if job and job.get("ok"):
-        lines.append(f"`pipelines/dpsgd` on Fashion-MNIST, trained by `train.train` (the "
+        lines.append(f"`pipelines/dpsgd` on Fashion-MNIST, trained by `run.train` (the "
                      f"README's main job): {job['steps']} steps in {job['wall_time_s']:.0f} s of "
                      f"wall time (run record), median step {job['median_step_s'] * 1e3:.0f} ms, "
                      f"sigma {job['noise_multiplier']:.4f} calibrated in "

@@ -6,7 +6,7 @@ time over ``--steps`` steps after ``--warmup`` steps of:
 * a non-private JAX step (same model, plain mean-loss gradient, the pipeline's optax optimizer,
   jitted) on fixed-size batches of exactly B examples;
 * dpbench DP-SGD (``pipelines/dpsgd``) and every other method folder (``pipelines/<name>``),
-  each built exactly as ``train.train`` builds it (gin via ``main.parse_config``, the same
+  each built exactly as ``run.train`` builds it (gin via ``main.parse_config``, the same
   dataset, model, seeds, sampler and ``compiler.compile_pipeline`` call), on the Poisson
   sampler's padded batch;
   GEP also at the paper's MNIST setting (m = 2000 anchors, k = 500 basis vectors, basis every

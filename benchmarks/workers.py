@@ -45,7 +45,7 @@ def _parse(spec: dict, with_sigma: bool):
 
 
 def build_dp_run(spec: dict):
-    """What train.train builds up to the compiled step and its initial state, the same way.
+    """What run.train builds up to the compiled step and its initial state, the same way.
 
     Returns a dict with the pieces the timing loop needs. Sigma: spec['noise_multiplier'] (bound
     as train.noise_multiplier, as a user would) unless a stage needs the run's target epsilon
@@ -62,7 +62,7 @@ def build_dp_run(spec: dict):
     if not calibrated:
         _parse(spec, with_sigma=True)
 
-    # Built exactly as train.train builds it (no workdir, no checkpoints).
+    # Built exactly as run.train builds it (no workdir, no checkpoints).
     config = TrainConfig()
     config.validate()
     budget = accounting.Budget()
@@ -265,12 +265,13 @@ def worker_calibration(spec: dict) -> dict:
 
 def worker_main_job(spec: dict) -> dict:
     """The README's main job (DP-SGD on Fashion-MNIST, 30 epochs, the pipeline's own settings)
-    trained by train.train in a temporary workdir; its run record's wall time is the target."""
-    from dpbench import config, train
+    trained by run.train in a temporary workdir; its run record's wall time is the target."""
+    from dpbench import config
+    from dpbench import run as run_lib
 
     config.parse_config(spec["gin_files"], list(spec["bindings"]))
     with tempfile.TemporaryDirectory(prefix="dpbench-main-job-") as tmp:
-        record = train.train(Path(tmp) / "run", gin_files=spec["gin_files"])
+        record = run_lib.train(Path(tmp) / "run", gin_files=spec["gin_files"])
     return {k: record[k] for k in ("wall_time_s", "test_accuracy", "validation_accuracy",
                                    "epsilon", "steps", "median_step_s", "noise_multiplier",
                                    "calibration_s")}
@@ -285,7 +286,7 @@ def gep_floor_shapes(run: dict) -> dict:
     from dpbench.stages import gep
 
     (stage,) = [f for f in run["compiled"].plan.facts() if f["name"] == "gep.embed_and_clip"]
-    groups = gep._groups(run["state"].params)
+    groups = gep.layer_groups(run["state"].params)
     shapes = {g: (_param_count(groups[g]), int(k))
               for g, k in sorted(stage["basis_per_group"].items())}
     return dict(groups=shapes, num_anchors=int(stage["num_anchors"]),

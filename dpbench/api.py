@@ -21,13 +21,16 @@ from typing import Sequence
 from dpbench import config, records
 from dpbench.compiler import check as stage_check
 from dpbench.compiler.rules import validate_pipeline
-from dpbench import train as train_lib
+from dpbench.run import loop as run_loop
+
+
+def _parse(gin_files: Sequence[str], gin: str | Sequence[str]) -> None:
+    config.parse_config(list(gin_files), [gin] if isinstance(gin, str) else list(gin))
 
 
 def configure(gin_files: Sequence[str] = (), gin: str | Sequence[str] = ()) -> tuple:
     """Parses the configuration and checks the pipeline's rules; returns (name, stages)."""
-    bindings = [gin] if isinstance(gin, str) else list(gin)
-    config.parse_config(list(gin_files), bindings)
+    _parse(gin_files, gin)
     name, stages = config.pipeline_stages()
     validate_pipeline(stages)
     return name, stages
@@ -44,8 +47,8 @@ def train(workdir, gin_files: Sequence[str] = (), gin: str | Sequence[str] = (),
           overwrite: bool = False) -> dict:
     """``dpbench train``: trains the configured pipeline into ``workdir`` (an unfinished run
     there is resumed) and returns its run record."""
-    configure(gin_files, gin)
-    return train_lib.train(Path(workdir), config.TrainConfig(), gin_files=list(gin_files),
+    _parse(gin_files, gin)  # the train loop validates the pipeline, once
+    return run_loop.train(Path(workdir), config.TrainConfig(), gin_files=list(gin_files),
                            overwrite=overwrite)
 
 

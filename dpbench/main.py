@@ -7,8 +7,9 @@ import sys
 
 from absl import logging
 
-from dpbench import accounting, checkpoint, cli_args, config, train
+from dpbench import accounting, checkpoint, cli_args, config
 from dpbench.compiler.rules import PipelineError, validate_pipeline
+from dpbench.run import loop as run_loop
 
 
 def _train_parser() -> cli_args.FlagParser:
@@ -36,10 +37,10 @@ def main(args) -> None:
         _bad_input("give at least one --gin_file, e.g. pipelines/dpsgd/pipeline.gin")
     try:
         config.parse_config(args.gin_file, args.gin_bindings)
-        train.train(args.workdir, gin_files=args.gin_file, overwrite=args.overwrite)
+        run_loop.train(args.workdir, gin_files=args.gin_file, overwrite=args.overwrite)
     except (config.ConfigError, PipelineError, accounting.BudgetError, FileNotFoundError,
             FileExistsError, ValueError, checkpoint.CheckpointError,
-            train.TrainingDiverged) as e:
+            run_loop.TrainingDiverged) as e:
         logging.error("%s: %s", type(e).__name__, e)
         print(f"dpbench: error: {e}", file=sys.stderr)
         sys.exit(2)

@@ -1,4 +1,5 @@
-"""Run records, metrics and the privacy statement; every file is written atomically."""
+"""A run's files on disk: one name for each (``*_NAME``), atomic writes, metrics, the run
+record's JSON, and the privacy statement's text; every file is written atomically."""
 
 from __future__ import annotations
 
@@ -12,8 +13,13 @@ import subprocess
 from importlib import metadata
 from pathlib import Path
 
-RECORD_NAME = "run_record.json"
-METRICS_NAME = "metrics.jsonl"
+RECORD_NAME = "run_record.json"          # a finished run's record
+METRICS_NAME = "metrics.jsonl"           # the progress rows (appended)
+CONFIG_NAME = "config.gin"               # the configuration a run starts from
+OPERATIVE_CONFIG_NAME = "operative_config.gin"  # the gin values the finished run used
+CHECKPOINTS_DIR = "checkpoints"          # orbax checkpoints with the privacy ledger
+SUPERSEDED_DIR = "superseded"            # finished runs moved aside by --overwrite
+DIVERGED_NAME = "diverged.json"          # a sweep trial that diverged (instead of a record)
 PACKAGES = ("jax", "jaxlib", "flax", "optax", "dp-accounting", "gin-config", "orbax-checkpoint",
             "numpy")
 

@@ -40,10 +40,6 @@ def put_batch(batch: dict, mesh: Mesh) -> dict:
             for name, value in batch.items()}
 
 
-def put_replicated(tree, mesh: Mesh):
-    return jax.device_put(tree, replicated(mesh))
-
-
 def limit_lapack_threads() -> None:
     """Makes OpenBLAS single-threaded in this process (numpy's and scipy's; jaxlib's CPU LAPACK
     kernels, i.e. the QR, Cholesky and eigh inside a step such as GEP's basis, call scipy's).

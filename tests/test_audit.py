@@ -10,7 +10,7 @@ import pytest
 from dpbench import audit, config, stages
 from dpbench.stages.base import Kind, Privacy, Stage, stateless
 from dpbench.ops import add_gaussian_noise
-from dpbench.train import pipeline_stages
+from dpbench.config import pipeline_stages
 from tests.conftest import REPO_ROOT, run_guarded
 
 

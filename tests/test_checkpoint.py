@@ -1,6 +1,7 @@
 """Runs that survive: SIGKILL and resume, restore across device counts, corrupt checkpoints,
 changed settings, divergence, full disks and finished workdirs."""
 
+import dataclasses
 import errno
 import json
 import os
@@ -18,8 +19,9 @@ import pytest
 from dp_accounting import dp_event
 from dp_accounting.pld import pld_privacy_accountant
 
-from dpbench import accounting, checkpoint, config, records, train
+from dpbench import accounting, checkpoint, config, records
 from dpbench import run as run_lib
+from dpbench.run import build as run_build
 from tests.conftest import HANG_GUARD_S, REPO_ROOT, run_guarded
 
 DIGITS = ["pipelines/dpsgd/pipeline.gin", "gin/data/digits.gin"]
@@ -34,7 +36,7 @@ def cli_command(workdir, bindings):
 
 def run_in_process(workdir, bindings=(), **kwargs):
     config.parse_config(DIGITS, list(SHORT) + list(bindings))
-    return train.train(workdir, gin_files=DIGITS, **kwargs)
+    return run_lib.train(workdir, gin_files=DIGITS, **kwargs)
 
 
 def assert_trees_identical(a, b):
@@ -233,6 +235,10 @@ def test_checkpoint_records_the_privacy_ledger(finished_run):
     assert ledger["settings_sha256"] == checkpoint.settings_digest(ledger["settings"])
     assert ledger["dp_event"]["class"] in ("SelfComposedDpEvent", "ComposedDpEvent")
     assert ledger["settings"]["noise_multiplier"] == record["noise_multiplier"]
+    # one Settings record: the ledger's settings are the record's, key for key, by one digest
+    assert {k: record[k] for k in ledger["settings"]} == ledger["settings"]
+    assert record["settings_sha256"] == ledger["settings_sha256"]
+    assert set(ledger["settings"]) == {f.name for f in dataclasses.fields(run_lib.Settings)}
     # anyone can recompute the reported epsilon from the events in the record, with
     # dp_accounting's own classes and PLD accountant at the statement's settings (not
     # dpbench's JSON reader or accounting code)
@@ -282,7 +288,7 @@ def test_fixed_noise_multiplier_stops_at_the_budget_and_says_why(tmp_path):
 
 def test_diverging_run_stops_and_keeps_its_last_good_checkpoint(tmp_path):
     workdir = tmp_path / "run"
-    with pytest.raises(train.TrainingDiverged, match="last good checkpoint is step") as error:
+    with pytest.raises(run_lib.TrainingDiverged, match="last good checkpoint is step") as error:
         run_in_process(workdir, ["optimize.optax.learning_rate = 1e38",
                                  "train.checkpoint_every_steps = 1", "train.log_every_steps = 1",
                                  "optimize.optax.momentum = 0.0"])
@@ -313,7 +319,7 @@ def _one_nonfinite_example_per_step(monkeypatch):
     """Every step reports one more non-finite (zeroed) example than it had: a count to follow
     through a checkpoint, the step's computation unchanged."""
     import dataclasses
-    build = run_lib.build_run  # run.start builds the run
+    build = run_build.build_run  # run.start builds the run
 
     def counting_build(*args, **kwargs):
         run = build(*args, **kwargs)
@@ -324,7 +330,7 @@ def _one_nonfinite_example_per_step(monkeypatch):
             return new, dict(metrics, nonfinite_examples=metrics["nonfinite_examples"] + 1.0)
         return dataclasses.replace(run, compiled=dataclasses.replace(run.compiled,
                                                                      step=counting_step))
-    monkeypatch.setattr(run_lib, "build_run", counting_build)
+    monkeypatch.setattr(run_build, "build_run", counting_build)
 
 
 def test_a_resumed_run_reports_every_nonfinite_example_of_its_first_segment(tmp_path,

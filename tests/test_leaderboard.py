@@ -7,7 +7,8 @@ import shutil
 import numpy as np
 import pytest
 
-from dpbench import board, config, train
+from dpbench import board, config
+from dpbench import run as run_lib
 
 GROUP = "fashion_mnist__tanh_cnn__eps3.0__delta1e-05"
 
@@ -154,11 +155,11 @@ def test_a_users_board_is_written_beside_its_records_without_the_committed_board
 
 
 def test_a_real_run_record_is_accepted(tmp_path):
-    """The builder reads what train.py writes (guards against schema drift)."""
+    """The builder reads what run.train writes (guards against schema drift)."""
     group = tmp_path / "records" / "digits__mlp__eps3.0__delta0.0001"
     config.parse_config(["pipelines/dpsgd/pipeline.gin", "gin/data/digits.gin"],
                       ["train.epochs = 1", "EPSILON = 3.0"])
-    train.train(group / "dpsgd-seed0")
+    run_lib.train(group / "dpsgd-seed0")
     table = board.build(tmp_path / "records", tmp_path)
     (row,) = table["digits__mlp__eps3.0__delta0.0001"]
     assert row["method"] == "dpsgd" and row["gain"] == 0.0
@@ -508,7 +509,7 @@ def test_the_junk_rate_counts_diverged_and_far_below_random_trials_only(tmp_path
     """Junk: a random trial (j >= 1, seed 0) more than 5 points below the group's best seed-0
     trial, or diverged; trial 0 and unpublished trials are not counted."""
     from dpbench.search import tuning
-    from dpbench.board import paired
+    from dpbench.search import junk as search_junk
     group = tmp_path / GROUP
     group.mkdir()
     (group / tuning.SEARCH_FILE).write_text(json.dumps(
@@ -516,7 +517,7 @@ def test_the_junk_rate_counts_diverged_and_far_below_random_trials_only(tmp_path
     outcomes = {("dpsgd", 0): 0.90, ("dpsgd", 1): 0.851, ("dpsgd", 2): 0.849,
                 ("dpsgd", 3): None, ("rs", 0): 0.70, ("rs", 1): 0.86, ("rs", 3): 0.70}
     _write_seed0_outcomes(group, outcomes)  # rs trial 2: not published yet
-    assert paired.junk_rate(group) == (3, 5)  # dpsgd t2 and t3, rs t3; not rs t0 (trial 0)
+    assert search_junk.junk_rate(group) == (3, 5)  # dpsgd t2 and t3, rs t3; not rs t0 (trial 0)
 
 
 def test_the_junk_breakdown_names_each_methods_junk_and_measures_it_against_its_own_best(
@@ -525,7 +526,7 @@ def test_the_junk_breakdown_names_each_methods_junk_and_measures_it_against_its_
     diverged); and the count against each trial's own method's best seed-0 trial, which tells a
     weak method (all of whose trials sit far below the group) from a badly drawn space."""
     from dpbench.search import tuning
-    from dpbench.board import paired
+    from dpbench.search import junk as search_junk
     group = tmp_path / GROUP
     group.mkdir()
     (group / tuning.SEARCH_FILE).write_text(json.dumps(
@@ -536,8 +537,8 @@ def test_the_junk_breakdown_names_each_methods_junk_and_measures_it_against_its_
                 ("bgep", 0): top - 0.07, ("bgep", 1): top - 0.08, ("bgep", 2): top - 0.065,
                 ("rs", 0): top - 0.02, ("rs", 1): None}  # rs t2 not published yet
     _write_seed0_outcomes(group, outcomes)
-    breakdown = paired.junk_breakdown(group)
-    assert (breakdown["junk"], breakdown["random"]) == paired.junk_rate(group) == (4, 5)
+    breakdown = search_junk.junk_breakdown(group)
+    assert (breakdown["junk"], breakdown["random"]) == search_junk.junk_rate(group) == (4, 5)
     assert breakdown["by_method"] == {"dpsgd": 1, "bgep": 2, "rs": 1}
     # against its own method's best: dpsgd t2 (6 below its t0) and rs t1 (diverged) only;
     # bgep's trials sit within 5 points of bgep's best

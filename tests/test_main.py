@@ -6,7 +6,8 @@ import sys
 
 import pytest
 
-from dpbench import accounting, compiler, config, train
+from dpbench import accounting, compiler, config
+from dpbench import run as run_lib
 from tests.conftest import HANG_GUARD_S, REPO_ROOT, run_guarded, wait_guarded
 
 DIGITS = ["pipelines/dpsgd/pipeline.gin", "gin/data/digits.gin"]
@@ -15,7 +16,7 @@ QUICK = ["train.epochs = 2", "train.log_every_steps = 5"]
 
 def run_in_process(tmp_path, files=DIGITS, bindings=()):
     config.parse_config(files, list(QUICK) + list(bindings))
-    return train.train(tmp_path / "run", gin_files=files)
+    return run_lib.train(tmp_path / "run", gin_files=files)
 
 
 def test_cli_trains_and_writes_a_record_with_a_privacy_statement(tmp_path):

@@ -16,9 +16,10 @@ from dp_accounting.pld import common as pld_common
 from dp_accounting.pld import pld_privacy_accountant
 from dp_accounting.pld import privacy_loss_distribution as pld_lib
 
-from dpbench import config, numerics, records, train
+from dpbench import config, numerics, records
 from dpbench.search import methods
 from dpbench import run as run_lib
+from dpbench.run import build as run_build
 from tests.conftest import REPO_ROOT
 
 PIPELINES = sorted(methods.discover())  # every method folder under pipelines/
@@ -216,7 +217,7 @@ GOLDEN_KEYS = PIPELINES + ["dpssgd+synflow", "dpssgd+dp_snip"]
 def test_pipeline_trains_on_digits(pipeline, tmp_path):
     files, bindings = golden_run(pipeline)
     config.parse_config(files, bindings)
-    record = train.train(tmp_path / "run", gin_files=files)
+    record = run_lib.train(tmp_path / "run", gin_files=files)
     assert record["pipeline"] == Path(pipeline).stem
     assert record["epsilon"] <= record["target_epsilon"]
     assert record["test_accuracy"] > 0.2
@@ -226,8 +227,8 @@ def test_pipeline_trains_on_digits(pipeline, tmp_path):
 
 def _new_noise_key(monkeypatch):
     """The same run with another noise key (the parameters' key and the sampler's unchanged)."""
-    build = run_lib.build_run  # run.start builds the run
-    monkeypatch.setattr(run_lib, "build_run", lambda *a, **k: dataclasses.replace(
+    build = run_build.build_run  # run.start builds the run
+    monkeypatch.setattr(run_build, "build_run", lambda *a, **k: dataclasses.replace(
         build(*a, **k), run_key=jax.random.key(20261125)))
 
 
@@ -253,7 +254,7 @@ def test_the_golden_check_fails_on_a_real_change(change, tmp_path, monkeypatch):
     else:
         bindings += REAL_CHANGES[change]
     config.parse_config(files, bindings)
-    record = train.train(tmp_path / "run", gin_files=files)
+    record = run_lib.train(tmp_path / "run", gin_files=files)
     golden = json.loads(GOLDEN.read_text())
     mismatches = golden_mismatches("dpsgd", record, golden)
     assert any(m.startswith("params: fingerprint distance") for m in mismatches), mismatches
@@ -267,7 +268,7 @@ def test_pipeline_trains_on_scatter_linear(pipeline, tmp_path):
     """Every pipeline on the second model family: ScatterNet features + linear (digits)."""
     files = [f"pipelines/{pipeline}", "gin/data/digits.gin", "gin/model/scatter_linear.gin"]
     config.parse_config(files, DIGITS_BINDINGS)
-    record = train.train(tmp_path / "run", gin_files=files)
+    record = run_lib.train(tmp_path / "run", gin_files=files)
     assert record["model"] == "scatter_linear" and record["features"]["kind"] == "scattering"
     assert record["epsilon"] <= record["target_epsilon"]
     assert record["test_accuracy"] > 0.2
@@ -292,12 +293,12 @@ def test_the_scatter_linear_recipe_binds_its_model_features_and_settings():
 def test_scatter_cnn_trains_and_a_scatter_model_refuses_pixels(tmp_path):
     files = ["pipelines/dpsgd/pipeline.gin", "gin/data/digits.gin", "gin/model/scatter_cnn.gin"]
     config.parse_config(files, ["train.epochs = 2"])
-    record = train.train(tmp_path / "run", gin_files=files)
+    record = run_lib.train(tmp_path / "run", gin_files=files)
     assert record["model"] == "scatter_cnn" and record["test_accuracy"] > 0.2
     assert record["per_example_strategy"] == "bookkeeping"  # GroupNorm without parameters
     config.parse_config(files, ["train.epochs = 2", "dataset.features = 'pixels'"])
     with pytest.raises(ValueError, match="bind dataset.features = 'scattering'"):
-        train.train(tmp_path / "pixels", gin_files=files)
+        run_lib.train(tmp_path / "pixels", gin_files=files)
     assert not (tmp_path / "pixels" / records.RECORD_NAME).exists()
 
 
@@ -305,7 +306,7 @@ def test_scatter_cnn_trains_and_a_scatter_model_refuses_pixels(tmp_path):
 def test_dpssgd_prune_variants_by_binding(prune, tmp_path):
     files, bindings = golden_run(f"dpssgd+{prune}")
     config.parse_config(files, bindings)
-    record = train.train(tmp_path / "run", gin_files=files)
+    record = run_lib.train(tmp_path / "run", gin_files=files)
     assert record["stages"][1]["name"] == f"prune.{prune}"
     check_statement(record)
     check_golden(f"dpssgd+{prune}", record)
@@ -324,7 +325,7 @@ def test_a_refit_without_validation_reports_its_last_step_and_says_so(tmp_path):
     from dpbench import board
     files = ["pipelines/dpsgd/pipeline.gin", "gin/data/digits.gin"]
     config.parse_config(files, ["train.epochs = 2", "dataset.validation_size = 0"])
-    record = train.train(tmp_path / "run", gin_files=files)
+    record = run_lib.train(tmp_path / "run", gin_files=files)
     config.parse_config(files, ["train.epochs = 2"])
     held_out = gin.query_parameter("dataset.validation_size")
     assert record["validation_accuracy"] is None and record["validation_size"] == 0

@@ -7,7 +7,8 @@ import json
 
 import pytest
 
-from dpbench import accounting, config, run
+from dpbench import accounting, config
+from dpbench.run import build as run
 from tests.test_pipelines import golden_run
 
 
@@ -34,3 +35,64 @@ def test_run_event_follows_the_settings_it_is_given():
         events.append(accounting.event_to_json(run.run_event(
             config.pipeline_stages()[1], config.TrainConfig(), accounting.Budget())))
     assert events[0] != events[1]
+
+
+@pytest.mark.parametrize("path", ["dpbench train", "api.train", "api.check"])
+def test_a_pipeline_is_validated_once_and_compiled_once_on_its_way_to_the_step(
+        path, tmp_path, monkeypatch):
+    """The rules run once on every path (the validated pipeline travels to the compiler) and
+    the step is lowered once; `check` compiles nothing for dpbench's own stages."""
+    from dpbench import api
+    from dpbench.compiler import pipeline, rules
+    from dpbench.run import loop
+    counts = {"validated": 0, "lowered": 0}
+    check_one_off, lower = rules._check_one_off, pipeline.lower  # one call per validation
+
+    def counting_check(stages):
+        counts["validated"] += 1
+        return check_one_off(stages)
+
+    def counting_lower(*args, **kwargs):
+        counts["lowered"] += 1
+        return lower(*args, **kwargs)
+
+    monkeypatch.setattr(rules, "_check_one_off", counting_check)
+    monkeypatch.setattr(pipeline, "lower", counting_lower)
+    files, quick = ["pipelines/dpsgd", "gin/data/digits.gin"], "train.epochs = 0.2"
+    if path == "dpbench train":
+        config.parse_config(files, [quick])
+        loop.train(tmp_path / "run", gin_files=files)
+    elif path == "api.train":
+        api.train(tmp_path / "run", files, gin=quick)
+    else:
+        assert api.check(files) == {}
+    assert counts == {"validated": 1, "lowered": 0 if path == "api.check" else 1}
+
+
+def _settings(stages=("grad.per_example", "clip.global_l2"), l2_bound=1.0, batch_size=64,
+              seed=0, epsilon=3.0, sigma=1.2):
+    """Settings.of on a stand-in compiled pipeline and dataset (it reads their attributes)."""
+    from types import SimpleNamespace
+    from dpbench.run import Settings
+    facts = [dict(name=n, l2_bound=l2_bound) for n in stages]
+    sampler = SimpleNamespace(describe=lambda: dict(sampling="poisson", sampling_rate=0.1))
+    compiled = SimpleNamespace(plan=SimpleNamespace(facts=lambda: facts), total_steps=7,
+                               sampler=sampler, noise_multiplier=sigma,
+                               init_noise_multiplier=None, sensitivity=l2_bound)
+    dataset = SimpleNamespace(name="digits", features={"kind": "pixels"}, train=range(640),
+                              validation=range(100), public=None)
+    return Settings.of(pipeline="dpsgd", compiled=compiled, dataset=dataset, model="cnn",
+                       config=config.TrainConfig(batch_size=batch_size, seed=seed),
+                       budget=accounting.Budget(epsilon=epsilon, delta=1e-5))
+
+
+def test_trials_share_a_group_by_shape_and_structure_never_by_their_numbers():
+    """Settings.group_key names what the trials of one compiled step must share: a trial's
+    clip bound, seed, epsilon and sigma are its own; its stage list and batch size are not."""
+    base = _settings()
+    assert _settings(l2_bound=0.5, seed=3, epsilon=1.0, sigma=2.0).group_key() == \
+        base.group_key()
+    assert _settings(batch_size=128).group_key() != base.group_key()
+    assert _settings(stages=("grad.per_example", "clip.other")).group_key() != base.group_key()
+    assert base.as_json()["planned_steps"] == 7 and base.digest() == _settings().digest()
+    assert _settings(seed=1).digest() != base.digest()

@@ -24,7 +24,7 @@ CONTRACT = {"Stage": [f.name for f in dataclasses.fields(Stage)], "StageFns": St
 
 def test_the_stage_contract_has_at_most_25_public_names():
     names = {record: len(fields) for record, fields in CONTRACT.items()}
-    assert sum(names.values()) <= 25, names  # was 43: Stage 14, StageFns 10, StageInfo 12, ctx 7
+    assert sum(names.values()) <= 25, names
     assert len(Privacy._fields) <= 6, Privacy._fields  # was 9 Stage fields; now one declaration
     # no run fact is a field anywhere in the contract: facts are read by name, never declared
     # as a field a new method would have to add

@@ -10,7 +10,7 @@ PACKAGE = REPO_ROOT / "dpbench"
 MAX_FUNCTION_LINES = 80
 MAX_MODULE_LINES = 400
 # Stages sit below the compiler and the board: they import neither.
-ABOVE_THE_STAGES = ("dpbench.compiler", "dpbench.train", "dpbench.board", "dpbench.search",
+ABOVE_THE_STAGES = ("dpbench.compiler", "dpbench.run", "dpbench.board", "dpbench.search",
                     "dpbench.sweep", "dpbench.audit", "dpbench.main")
 
 
@@ -154,8 +154,7 @@ FLOORS = {
     "compiler": ("dpbench.compiler",),
     "search": ("dpbench.search",),
     "board": ("dpbench.board",),
-    "run": ("dpbench.config", "dpbench.run", "dpbench.run_record", "dpbench.train",
-            "dpbench.audit", "dpbench.api"),
+    "run": ("dpbench.config", "dpbench.run", "dpbench.audit", "dpbench.api"),
     "sweep": ("dpbench.sweep",),
     "cli": ("dpbench", "dpbench.main"),
 }
@@ -212,9 +211,7 @@ def test_every_module_sits_on_a_floor_and_imports_only_the_floors_below_it():
 
 def test_the_longest_import_chain_is_at_most_10_modules():
     """The house's height: the import DAG's longest chain (a module's floor number is one
-    more than its highest import's). 15 before the compiler's callers imported its modules
-    directly and the sweep read its events without building a run; 11 before the record read
-    a run by duck type and the secret search's plan moved to the planning module."""
+    more than its highest import's): a deep chain is a module that knows too much."""
     modules = _modules()
     graph = {name: _imports(path, modules) - {name} for name, path in modules.items()}
     levels = {}
@@ -224,3 +221,80 @@ def test_the_longest_import_chain_is_at_most_10_modules():
             levels[module] = 1 + max((level(m) for m in graph[module]), default=0)
         return levels[module]
     assert max(level(m) for m in graph) <= 10, sorted(levels.items(), key=lambda kv: -kv[1])[:8]
+
+
+def _settings_computed(tree) -> list:
+    """(line, keys) of every dict (a ``dict(...)`` call or a literal) with at least 3 entries
+    keyed by names of ``Settings`` whose values are derived from an object (an attribute or a
+    call): settings computed there. Reading one (``record["seed"]``) or passing one on
+    (``delta=delta``) is not computing it, and one or two such names in a dict are another
+    object's facts that share a name (a sampler's ``dataset_size``)."""
+    from dpbench.run.settings import Settings
+    names = {f.name for f in __import__("dataclasses").fields(Settings)}
+    derived = (ast.Attribute, ast.Call)
+    found = []
+    for node in ast.walk(tree):
+        pairs = []
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and \
+                node.func.id == "dict":
+            pairs = [(k.arg, k.value) for k in node.keywords if k.arg]
+        elif isinstance(node, ast.Dict):
+            pairs = [(k.value, v) for k, v in zip(node.keys, node.values)
+                     if isinstance(k, ast.Constant) and isinstance(k.value, str)]
+        keys = [key for key, value in pairs
+                if key in names and any(isinstance(n, derived) for n in ast.walk(value))]
+        if len(keys) >= 3:
+            found.append((node.lineno, sorted(keys)))
+    return found
+
+
+def test_only_the_run_package_computes_a_setting_its_record_holds():
+    """Settings are computed once (``dpbench.run.settings``): no module of dpbench outside
+    ``dpbench/run/`` builds a dict holding a setting derived from the config, the budget, the
+    data or the compiled pipeline. The check can fail: a second settings dict is found."""
+    outside = {name: path for name, path in _modules().items()
+               if not (name == "dpbench.run" or name.startswith("dpbench.run."))}
+    found = {name: hits for name, path in outside.items()
+             if (hits := _settings_computed(ast.parse(path.read_text())))}
+    assert found == {}, found
+    twin = ast.parse("def record(config, budget, n):\n"
+                     "    return dict(batch_size=config.batch_size, delta=budget.delta,\n"
+                     "                seed=config.seed, dataset_size=n)\n")
+    assert _settings_computed(twin) == [(2, ["batch_size", "delta", "seed"])]
+
+
+def _room(module: str) -> str:
+    """A module's room: its top-level module or package of dpbench, or its folder."""
+    parts = module.split(".")
+    return ".".join(parts[:2]) if parts[0] == "dpbench" and len(parts) > 1 else parts[0]
+
+
+def house(folders=("dpbench", "benchmarks", "tools")) -> tuple:
+    """(rooms, import edges between rooms, layers): the repository's shape, each top-level
+    module and package of dpbench and each other folder of Python one room."""
+    modules = {}
+    for folder in folders:
+        for path in sorted((REPO_ROOT / folder).rglob("*.py")):
+            parts = path.relative_to(REPO_ROOT).with_suffix("").parts
+            modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    edges = {(_room(name), _room(other)) for name, path in modules.items()
+             for other in _imports(path, modules) if other != "dpbench"} - {
+        (r, r) for r in map(_room, modules)}
+    rooms = {_room(m) for m in modules}
+    graph = {r: {b for a, b in edges if a == r} for r in rooms}
+    levels = {}
+
+    def level(room, seen=()):
+        if room not in levels:
+            levels[room] = 1 + max((level(r, seen + (room,)) for r in graph[room]
+                                    if r not in seen), default=0)
+        return levels[room]
+
+    return rooms, edges, max(level(r) for r in rooms)
+
+
+def test_the_house_has_at_most_7_layers_and_85_import_edges_between_rooms():
+    """The house's shape, held where it stands (27 rooms): a change that adds a layer or an
+    edge between rooms raises the bound here and says why."""
+    rooms, edges, layers = house()
+    assert layers <= 7 and len(edges) <= 85, (len(rooms), len(edges), layers)

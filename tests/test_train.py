@@ -15,11 +15,13 @@ import numpy as np
 import pytest
 from dp_accounting import dp_event
 
-from dpbench import accounting, checkpoint, config, data, records, run_record, train
+from dpbench import accounting, checkpoint, config, data, records
 from dpbench.search import methods
-from dpbench import run as run_lib
 from dpbench.config import TrainConfig, pipeline_stages
-from dpbench.run import build_run, run_settings
+from dpbench.run import Settings, build_run
+from dpbench.run import loop as train
+from dpbench.run import record as run_record
+from dpbench.run import start as run_lib
 
 
 def expect_check(check, *args, broken: bool) -> None:
@@ -96,34 +98,36 @@ SEVERAL_PARTS = ("gep",)  # its release noises 2 parts (B-GEP releases the embed
 
 @functools.lru_cache(maxsize=1)  # the tests of one case run one after the other
 def built(case: str):
-    """(run, budget, config, end step, epsilon) of a case, compiled with its calibrated sigma;
-    nothing trains."""
+    """(run, its settings, config, end step, epsilon) of a case, compiled with its calibrated
+    sigma; nothing trains."""
     files, bindings = CASES[case]
     config.parse_config(files, list(SMALL) + bindings)
     _, stages = config.pipeline_stages()
     train_config, budget = config.TrainConfig(), accounting.Budget()
     run = build_run(stages, train_config, budget)
     end_step, _ = run_lib.budget_stop(run.compiled, budget, train_config)
-    return run, budget, train_config, end_step, run.compiled.epsilon_after(end_step)
+    settings = Settings.of(pipeline=case, compiled=run.compiled, dataset=run.dataset,
+                           model=run.model_name, config=train_config, budget=budget)
+    return run, settings, train_config, end_step, run.compiled.epsilon_after(end_step)
 
 
-def statement_with_pre_gep_sigma(run, budget, train_config, end_step, epsilon):
+def statement_with_pre_gep_sigma(settings, run, end_step, epsilon):
     """Broken twin of run_record.privacy_statement: reports the sigma the release adds to each part
     (GEP's, before the sqrt(2) of its two parts) as the effective noise multiplier."""
-    statement = run_record.privacy_statement(run, budget, train_config, end_step, epsilon)
+    statement = run_record.privacy_statement(settings, run, end_step, epsilon)
     for m in statement["mechanisms"]:
         if m["kind"] == "gaussian":
             m["effective_noise_multiplier"] = m["noise_multiplier"]
     return statement
 
 
-def statement_with_realized_rate(run, budget, train_config, end_step, epsilon):
+def statement_with_realized_rate(settings, run, end_step, epsilon):
     """Broken twin of run_record.privacy_statement: reports the sampling rate of the first batch
     the sampler drew whose size is not B (realized size / N), not the expected q = B / N."""
-    statement = run_record.privacy_statement(run, budget, train_config, end_step, epsilon)
+    statement = run_record.privacy_statement(settings, run, end_step, epsilon)
     n = len(run.dataset.train)
     size = next(s for s in (run.sampler.sample(t).size for t in range(end_step))
-                if s != train_config.batch_size)
+                if s != settings.batch_size)
     for m in statement["mechanisms"]:
         if m["kind"] == "gaussian":
             m["sampling_probability"] = size / n
@@ -182,8 +186,8 @@ def test_the_statement_fields_are_the_ledgers_event(case, builder):
     rate, count, truncation, N) equal the ledger's DpEvent for every pipeline on both model
     families (compiled, nothing trains); a builder that reports GEP's per-part sigma or the
     realized sampling rate fails the same check."""
-    run, budget, train_config, end_step, epsilon = built(case)
-    statement = builder(run, budget, train_config, end_step, epsilon)
+    run, settings, train_config, end_step, epsilon = built(case)
+    statement = builder(settings, run, end_step, epsilon)
     expect_check(check_statement_is_the_ledger, statement, run, train_config, end_step,
                  broken=builder is not REAL)
 
@@ -203,7 +207,7 @@ def _checkpoint_with_epsilon(run, settings, directory, scale: float):
         state, _ = run.compiled.step(state, run.host_batch(step))
     progress = run_lib.Progress(best={"validation_accuracy": 0.5, "step": 2,
                                     "params": checkpoint.to_host(state.params)})
-    train._save_checkpoint(ckpts, run.compiled, state, progress, settings, 2,
+    train.save_checkpoint(ckpts, run.compiled, state, progress, settings, 2,
                            scale * run.compiled.epsilon_after(2), key_saved=True)
     return ckpts
 
@@ -215,8 +219,8 @@ def built_dpsgd():
     name, stages = config.pipeline_stages()
     train_config, budget = config.TrainConfig(), accounting.Budget()
     run = build_run(stages, train_config, budget)
-    settings = run_settings(pipeline_name=name, compiled=run.compiled, dataset=run.dataset,
-                            config=train_config, budget=budget, model_name=run.model_name)
+    settings = Settings.of(pipeline=name, compiled=run.compiled, dataset=run.dataset,
+                           model=run.model_name, config=train_config, budget=budget)
     return run, settings, train_config
 
 

@@ -13,7 +13,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dpbench import config, numerics, train  # noqa: E402
+from dpbench import config, numerics  # noqa: E402
+from dpbench import run as run_lib  # noqa: E402
 from tests.test_pipelines import GOLDEN, GOLDEN_KEYS, golden_run  # noqa: E402
 
 
@@ -24,7 +25,7 @@ def main() -> None:
         files, bindings = golden_run(key)
         config.parse_config(files, bindings)
         with tempfile.TemporaryDirectory() as tmp:
-            record = train.train(Path(tmp) / "run", gin_files=files)
+            record = run_lib.train(Path(tmp) / "run", gin_files=files)
         want = golden[key]
         rel = [abs(record[k] / want[k] - 1) for k in ("noise_multiplier", "epsilon")]
         distance = numerics.fingerprint_distance(record["final_params_fingerprint"],

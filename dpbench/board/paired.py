@@ -28,6 +28,8 @@ from pathlib import Path
 
 import numpy as np
 
+from dpbench import records
+from dpbench.search import junk as search_junk
 from dpbench.search import methods
 from dpbench.search import space as search_space
 from dpbench.search import tuning
@@ -95,7 +97,10 @@ def superseded_runs(superseded_dir, method: str) -> list:
     if superseded_dir is None:
         return []
     out = []
-    for path in sorted(Path(superseded_dir).glob(f"{method}-t*-seed*/run_record.json")):
+    for run_dir in tuning.method_run_dirs(superseded_dir, method):
+        path = run_dir / records.RECORD_NAME
+        if not path.exists():
+            continue
         record = json.loads(path.read_text())
         out.append((run_identity(record, str(path)), record["dp_event"]))
     return out
@@ -130,51 +135,6 @@ def coarse_epsilon(events, delta: float) -> float:
     8.6)."""
     return tuning.published_epsilon([tuning.composed_event(events)], delta,
                                     discretization=3e-3)
-
-
-JUNK_POINTS = 0.05  # a random trial this far (test accuracy) below its group's best is junk
-
-
-def junk_breakdown(group_dir) -> dict:
-    """Junk over the random trials (j >= 1, seed 0) of every method of a group published so
-    far: {"junk", "random", "by_method": {method: junk}, "own_best"}. Junk ends more than 5
-    points below the best seed-0 trial of the group, or diverged; "own_best" counts the random
-    trials more than 5 points below their own method's best seed-0 trial (or diverged), which
-    tells a method that is weak everywhere from a space that draws badly. Works on a search
-    still under way (what is unpublished is not counted)."""
-    group_dir = Path(group_dir)
-    plan = json.loads((group_dir / tuning.SEARCH_FILE).read_text())
-    seed0, scores = plan["seeds"][0], {}
-    for method in plan["methods"]:
-        for trial in range(plan["num_trials"]):
-            try:
-                record = _outcome(group_dir, method, trial, seed0)
-            except tuning.SearchIncomplete:
-                continue
-            scores[(method, trial)] = None if record is None else record["test_accuracy"]
-    out = dict(junk=0, random=0, by_method={m: 0 for m in plan["methods"]}, own_best=0)
-    finished = [v for v in scores.values() if v is not None]
-    if not finished:
-        return out
-    best = max(finished)
-    own = {m: max((v for (mm, _), v in scores.items() if mm == m and v is not None),
-                  default=None) for m in plan["methods"]}
-    for (method, trial), v in scores.items():
-        if trial == 0:
-            continue
-        out["random"] += 1
-        if v is None or v < best - JUNK_POINTS:
-            out["junk"] += 1
-            out["by_method"][method] += 1
-        if v is None or v < own[method] - JUNK_POINTS:
-            out["own_best"] += 1
-    return out
-
-
-def junk_rate(group_dir) -> tuple[int, int]:
-    """(junk, published) of ``junk_breakdown``."""
-    breakdown = junk_breakdown(group_dir)
-    return breakdown["junk"], breakdown["random"]
 
 
 def apply_holm(analyses) -> None:
@@ -236,7 +196,7 @@ def analyse_group(group_dir, claims: dict, baseline_best=None, draws: int = DRAW
                 base["test"], mine["test"], range(1, plan["num_trials"])))
         out[method] = row
     check = baseline_check(base["retrains"], baseline_best)
-    junk = junk_breakdown(group_dir)
+    junk = search_junk.junk_breakdown(group_dir)
     analysis = dict(methods=out, baseline=check, paired=True, epsilon=epsilon,
                     group=group_dir.name, junk=(junk["junk"], junk["random"]),
                     junk_breakdown=junk, pooled=pooled)

@@ -38,7 +38,7 @@ def _group_of(path: Path, root: Path):
                            "<dataset>__<model>__eps<epsilon>__delta<delta>")
 
 
-# How train.py's stop_reason of a run that finished begins (the budget stop is a finish).
+# How the train loop's stop_reason of a run that finished begins (the budget stop is a finish).
 FINISHED_STOP_REASONS = ("completed all steps", "privacy budget reached")
 
 

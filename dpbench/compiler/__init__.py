@@ -1,6 +1,6 @@
 """The compiler: (pipeline, model, sampler, budget, mesh) -> one jitted, sharded, accounted step.
 
-Three named phases over a frozen plan:
+Four named phases over a frozen plan:
 
 0. rules (``rules.py``, run once): :func:`validate_pipeline` checks the stages' declarations (kinds,
    bounds, costs; errors name the stage and the rule) and derives the sensitivity.

@@ -19,7 +19,7 @@ from dpbench.compiler.facts import RunFacts, RunInputs
 from dpbench.compiler.plan import Plan, StepOptions
 from dpbench.compiler.ledger import Accounting, account
 from dpbench.compiler.lower import STAGE_INPUTS, Lowered, lower
-from dpbench.compiler.rules import validate_pipeline
+from dpbench.compiler.rules import ValidatedPipeline, validated as as_validated
 
 
 @dataclasses.dataclass
@@ -134,37 +134,41 @@ def _batch_shapes(plan: Plan, micro_steps: int, micro_batch_size: int, example_s
     return shapes
 
 
-def account_only(stages: Sequence[Stage], inputs: RunInputs) -> Accounting:
+def account_only(stages: Sequence[Stage] | ValidatedPipeline, inputs: RunInputs) -> Accounting:
     """The run's accounting (ledger, calibrated sigma, its DpEvent) exactly as
     :func:`compile_pipeline` computes it for the same inputs, without lowering, tracing or
     jitting the step: the rules, bind (the model's parameter shapes by eval_shape) and account.
     What a sweep's planning reads (each support point's event)."""
-    return account(bind(stages, RunFacts(inputs)), inputs.sampler, inputs.budget,
-                   inputs.total_steps, inputs.noise_multiplier)
+    checked = as_validated(stages)
+    return account(bind(checked.stages, RunFacts(inputs), checked), inputs.sampler,
+                   inputs.budget, inputs.total_steps, inputs.noise_multiplier)
 
 
-def compile_pipeline(stages: Sequence[Stage], inputs: RunInputs, *, micro_batch_size: int,
-                     mesh: Optional[Mesh] = None, ema_decay: float = 0.0,
+def compile_pipeline(stages: Sequence[Stage] | ValidatedPipeline, inputs: RunInputs, *,
+                     micro_batch_size: int, mesh: Optional[Mesh] = None, ema_decay: float = 0.0,
                      fidelity_diagnostics: bool = False, host_seed: int = 0,
                      step_options: StepOptions = StepOptions()) -> CompiledPipeline:
     """bind -> account -> lower, then shape checks (jax.eval_shape) and jit on the mesh.
 
-    ``inputs`` (:class:`RunInputs`) is what the run is compiled from; the stages read its run
+    ``stages``: the pipeline's stages, or their :class:`ValidatedPipeline` when the caller
+    validated them already (the rules run once on every path). ``inputs`` (:class:`RunInputs`)
+    is what the run is compiled from; the stages read its run
     facts (compiler/facts.py). ``inputs.noise_multiplier=None`` calibrates sigma to the budget
     (the normal path); a given value is used as is. ``fidelity_diagnostics`` adds the
     non-private metrics ``fidelity_cosine`` and ``noise_to_signal``. ``host_seed`` seeds the
     stages' public host randomness. ``step_options`` (:class:`StepOptions`) choose how the
-    clipped sum is lowered, for speed (the same sums). ``inputs.model`` (the flax module behind ``loss_fn``, a
-    models.cross_entropy_loss) lets the compiler pick book-keeping where it applies.
+    clipped sum is lowered, for speed (the same sums). ``inputs.model`` (the flax module
+    behind ``loss_fn``, a models.cross_entropy_loss) lets the compiler pick book-keeping where
+    it applies.
     """
     mesh = sharding.make_mesh() if mesh is None else mesh
     sharding.limit_lapack_threads()
-    validated = validate_pipeline(stages)  # rule errors before any size error
+    validated = as_validated(stages)  # rule errors before any size error
     sampler = inputs.sampler
     micro_steps = _check_sizes(inputs.total_steps, ema_decay, micro_batch_size, mesh,
                                sampler.padded_batch_size)
     facts = RunFacts(inputs)
-    plan = bind(stages, facts, validated)
+    plan = bind(validated.stages, facts, validated)
     acct = account(plan, sampler, inputs.budget, inputs.total_steps, inputs.noise_multiplier)
     lowered = lower(plan, acct, ema_decay=ema_decay, fidelity_diagnostics=fidelity_diagnostics,
                     options=step_options)

@@ -134,3 +134,10 @@ def validate_pipeline(stages: Sequence[Stage]) -> ValidatedPipeline:
                             "pipeline must end with an optimizer (@optimize.optax())")
     _check_one_off(stages)
     return ValidatedPipeline(stages, clip_index, tuple(releases), sensitivity)
+
+
+def validated(pipeline) -> ValidatedPipeline:
+    """``pipeline`` validated: a :class:`ValidatedPipeline` as it is (the rules read only the
+    frozen declarations, so one validation holds for every later phase), stages by
+    :func:`validate_pipeline`."""
+    return pipeline if isinstance(pipeline, ValidatedPipeline) else validate_pipeline(pipeline)

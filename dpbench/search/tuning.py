@@ -44,13 +44,13 @@ import scipy.stats
 from dp_accounting import dp_event
 from dp_accounting.rdp import rdp_privacy_accountant
 
-from dpbench import accounting
+from dpbench import accounting, records
 
 from dpbench.search.protocol import ProtocolError
 from dpbench.search.space import privacy_key, stable_seed
 
 SEARCH_FILE = "search.json"  # a group's plan, beside its published runs
-DIVERGED = "diverged.json"   # what a run that diverged publishes instead of its record
+DIVERGED = records.DIVERGED_NAME  # what a run that diverged publishes instead of its record
 # Two numeric stacks calibrate one support point's sigma a few ulps of Brent's root apart
 # (board v3's runs on the lent GPU machine, scipy 1.18.1: 3.5e-10 relative from search.json's),
 # far inside accounting.SIGMA_TOLERANCE; an undeclared privacy knob moves an event by much more
@@ -262,10 +262,24 @@ def parse_run_dir(name: str):
     return match["method"], int(match["trial"]), seed
 
 
+def method_run_dirs(group_dir, method: str) -> list:
+    """The folders of ``method``'s runs in a group (named by run_dir_name), sorted by name."""
+    group_dir = Path(group_dir)
+    if not group_dir.is_dir():
+        return []
+    return [d for d in sorted(group_dir.iterdir())
+            if d.is_dir() and (parsed := parse_run_dir(d.name)) and parsed[0] == method]
+
+
+def published(run_dir: Path) -> bool:
+    """Whether a run folder holds its outcome: its record, or the note that it diverged."""
+    return (run_dir / records.RECORD_NAME).exists() or (run_dir / DIVERGED).exists()
+
+
 def trial_outcome(group_dir: Path, method: str, trial: int, seed: int):
     """(record or None for a diverged run, path) of one published trial."""
     directory = group_dir / run_dir_name(method, trial, seed)
-    record_path = directory / "run_record.json"
+    record_path = directory / records.RECORD_NAME
     if record_path.exists():
         try:
             return json.loads(record_path.read_text()), record_path
@@ -360,8 +374,7 @@ def search_progress(group_dir) -> tuple[int, int]:
     group_dir = Path(group_dir)
     plan = json.loads((group_dir / SEARCH_FILE).read_text())
     expected = len(plan["methods"]) * (plan["num_trials"] + len(plan["seeds"]) - 1)
-    done = sum(1 for d in group_dir.iterdir() if d.is_dir() and (
-        (d / "run_record.json").exists() or (d / DIVERGED).exists()))
+    done = sum(1 for d in group_dir.iterdir() if d.is_dir() and published(d))
     return done, expected
 
 

@@ -36,7 +36,7 @@ from dpbench.stages.gep_numerics import (basis_orthonormality_error, orthonormal
                                          orthonormality_error, random_start, residual_sq_upper)
 
 
-def _groups(tree):
+def layer_groups(tree):
     """Parameter groups (one per layer): flax {'params': {layer: {...}}} -> layer subtrees."""
     if isinstance(tree, dict) and set(tree) == {"params"}:
         return dict(tree["params"])
@@ -96,11 +96,11 @@ def anchor_basis(anchors, ctx, ks: dict, num_classes: int, iterations: int, chun
     if iterations != 1:
         grads = jax.lax.map(lambda xy: jax.grad(loss_fn)(ctx.params, *xy),
                             (anchors, labels), batch_size=chunk)
-        grouped = _groups(grads)
+        grouped = layer_groups(grads)
         return {g: power_basis(jax.vmap(_flat)(grouped[g]), jax.random.fold_in(basis_key, i),
                                ks[g], iterations) for i, g in enumerate(groups)}
     sizes = {g: sum(math.prod(x.shape) for x in jax.tree.leaves(sub))
-             for g, sub in _groups(ctx.params).items()}
+             for g, sub in layer_groups(ctx.params).items()}
     starts = {g: random_start(jax.random.fold_in(basis_key, i), ks[g], sizes[g])
               for i, g in enumerate(groups)}
     m = anchors.shape[0]
@@ -109,7 +109,7 @@ def anchor_basis(anchors, ctx, ks: dict, num_classes: int, iterations: int, chun
               labels[:usable].reshape(-1, chunk))
 
     def accumulate(acc, xs, size):
-        grouped = _groups(anchor_grad(ctx.params, *xs))
+        grouped = layer_groups(anchor_grad(ctx.params, *xs))
         for g in groups:
             matrix = jax.vmap(_flat)(grouped[g])                  # chunk x p_g
             acc[g] = acc[g] + (matrix @ starts[g].T).T @ matrix   # k_g x p_g
@@ -129,7 +129,7 @@ def embed_and_clip_one(grads, basis: dict, eps, embedding_bound: float,
     ||g||^2 - ||w||^2 (``residual_sq_upper``) and the example contributes c * g / S2 and
     c * w / S2, c = min(1, S2 / ||r||_upper); ``finish_sum`` forms sum c (g - B^T w) / S2 on the
     batch sum (linear, public B), each example's part of norm <= 1."""
-    grouped = _groups(grads)
+    grouped = layer_groups(grads)
     vectors = {g: _flat(grouped[g]) for g in sorted(basis)}
     embed = {g: basis[g] @ vectors[g] for g in sorted(basis)}
     w_all = jnp.concatenate([embed[g] for g in sorted(basis)])
@@ -161,7 +161,7 @@ def reconstruct(released: dict, basis: dict, like, embedding_bound: float,
     """Public post-processing of the release: S1 * w~ B + S2 * r~, in parameter shape."""
     w = released["w"] * embedding_bound
     out, start = {}, 0
-    groups_like = _groups(like)
+    groups_like = layer_groups(like)
     for g in sorted(basis):
         k = basis[g].shape[0]
         out[g] = _unflat(basis[g].T @ w[start:start + k], groups_like[g])
@@ -238,7 +238,7 @@ def embed_and_clip(num_basis: int = 200, num_anchors: int = 512, embedding_bound
 
     def make(facts) -> StageFns:
         anchors = _anchor_images(facts, num_anchors)
-        grouped = _groups(facts.param_shapes)
+        grouped = layer_groups(facts.param_shapes)
         sizes = {g: sum(math.prod(x.shape) for x in jax.tree.leaves(sub))
                  for g, sub in grouped.items()}
         ks = basis_sizes(sizes, num_basis, num_anchors)

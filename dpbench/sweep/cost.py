@@ -5,11 +5,12 @@ checkout that did not run it has)."""
 
 from __future__ import annotations
 
-import glob
 import json
 import statistics
 from pathlib import Path
 
+from dpbench import records
+from dpbench.search import junk as search_junk
 from dpbench.search import tuning
 
 
@@ -30,7 +31,7 @@ def _segments(run_dir: Path) -> list:
         last = wall
     if last is not None:
         segments.append(last)
-    record = run_dir / "run_record.json"
+    record = run_dir / records.RECORD_NAME
     if record.exists():
         final = json.loads(record.read_text())["wall_time_s"]
         segments[-1:] = [max(final, segments[-1] if segments else 0.0)]
@@ -47,7 +48,7 @@ def sweep_cost(runs_dir: Path, cpus_per_trial: float = 1.0) -> dict:
         group = cost.setdefault(run_dir.parent.name,
                                 {"started": 0, "finished": 0, "core_hours": 0.0})
         group["started"] += 1
-        group["finished"] += (run_dir / "run_record.json").exists()
+        group["finished"] += (run_dir / records.RECORD_NAME).exists()
         group["core_hours"] += sum(_segments(run_dir)) * cpus_per_trial / 3600
     return cost
 
@@ -65,12 +66,11 @@ def progress(records_dir: Path) -> dict:
     """{group: {"published", "expected", "junk", "random", "core_hours", "gpu_hours",
     "left_core_hours"}} of every group under ``records_dir`` with a search.json: runs published
     (records and diverged runs) of those its search and retrains will publish, the junk rate so
-    far (``board.paired.junk_rate``), the core-hours of the published records made on a CPU
+    far (``search.junk.junk_rate``), the core-hours of the published records made on a CPU
     (their wall_time_s, one CPU each), the GPU-worker hours of those made on a GPU (wall time
     of a run sharing one GPU with others: not core time), and an estimate of the rest on CPUs:
     each unpublished run at the median wall time of its method's CPU runs in the group, else
     in the family's other groups (None when a method has none anywhere)."""
-    from dpbench.board import paired  # here: the cost report needs no board
     groups = sorted(p.parent for p in Path(records_dir).glob(f"*/{tuning.SEARCH_FILE}"))
     walls, gpu_walls = {}, {}  # (family, group, method) -> published CPU / GPU wall times
     for group_dir in groups:
@@ -78,15 +78,16 @@ def progress(records_dir: Path) -> dict:
         for method in plan["methods"]:
             key = plan["family"], group_dir.name, method
             walls[key], gpu_walls[key] = [], []
-            for f in sorted(glob.glob(
-                    str(group_dir / glob.escape(method)) + "-t*-seed*/run_record.json")):
-                record = json.loads(Path(f).read_text())
+            for run_dir in tuning.method_run_dirs(group_dir, method):
+                if not (run_dir / records.RECORD_NAME).exists():
+                    continue
+                record = json.loads((run_dir / records.RECORD_NAME).read_text())
                 (gpu_walls if _on_gpu(record) else walls)[key].append(record["wall_time_s"])
     out = {}
     for group_dir in groups:
         plan = json.loads((group_dir / tuning.SEARCH_FILE).read_text())
         published, expected = tuning.search_progress(group_dir)
-        junk, random = paired.junk_rate(group_dir)
+        junk, random = search_junk.junk_rate(group_dir)
         left, spent, gpu = 0.0, 0.0, 0.0
         for method in plan["methods"]:
             mine = walls[plan["family"], group_dir.name, method]
@@ -112,8 +113,7 @@ def _on_gpu(record: dict) -> bool:
 
 
 def _published_runs(group_dir: Path, method: str) -> int:
-    return sum(1 for d in group_dir.glob(f"{glob.escape(method)}-t*-seed*") if
-               (d / "run_record.json").exists() or (d / tuning.DIVERGED).exists())
+    return sum(1 for d in tuning.method_run_dirs(group_dir, method) if tuning.published(d))
 
 
 def print_progress(records_dir: Path, cpus: int) -> None:

@@ -44,12 +44,13 @@ def check_trials(method: str, gin_files, trials, run_bindings) -> None:
 
 def support_event(gin_files, bindings) -> dict:
     """The DpEvent (JSON) a run with these settings would have, from the compiler's own
-    accounting (run.run_event: no step is lowered, traced or jitted); nothing trains."""
-    from dpbench import accounting, config, run
+    accounting (run.build.run_event: no step is lowered, traced or jitted); nothing trains."""
+    from dpbench import accounting, config
+    from dpbench.run import build as run_build
     config.parse_config(list(gin_files), list(bindings))
     _, stages = config.pipeline_stages()
-    return accounting.event_to_json(run.run_event(stages, config.TrainConfig(),
-                                                  accounting.Budget()))
+    return accounting.event_to_json(run_build.run_event(stages, config.TrainConfig(),
+                                                      accounting.Budget()))
 
 
 def support_events(tasks, workers: int) -> list:

@@ -300,7 +300,7 @@ def test_residual_bound_holds_for_a_non_orthonormal_basis(embed_one):
 # --- Book-keeping form (Hooks.layer_clip) and the r-step basis -------------------------
 
 def _compile_with_model(model_name, shape, biased=False, refresh=1, n=48, batch=24):
-    """GEP compiled as train.train compiles it: with the model, so book-keeping where it
+    """GEP compiled as run.train compiles it: with the model, so book-keeping where it
     applies (``with_model``), else the per-example (vmapped) path."""
     from dpbench import compiler, models, sampling
 

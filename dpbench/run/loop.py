@@ -1,4 +1,5 @@
-"""The one train loop: data -> sampler -> compiled step -> evaluation -> run record."""
+"""The one train loop: data -> sampler -> compiled step -> evaluation -> checkpoints -> run
+record (``train``, what ``dpbench train`` and ``api.train`` call)."""
 
 from __future__ import annotations
 
@@ -11,14 +12,16 @@ from typing import Any, Callable, NamedTuple, Optional, Sequence
 import gin
 import jax
 import jax.numpy as jnp
-import numpy as np
 from absl import logging
 
-from dpbench import accounting, checkpoint, data, numerics, records, run_record
+from dpbench import accounting, checkpoint, data, records
 from dpbench.compiler import check as stage_check
 from dpbench.compiler.rules import validate_pipeline
 from dpbench.config import TrainConfig, pipeline_stages
-from dpbench.run import Progress, Run, start as start_run
+from dpbench.run import record as run_record
+from dpbench.run.build import Run
+from dpbench.run.settings import Settings
+from dpbench.run.start import Progress, start as start_run
 
 
 def _evaluate(apply_fn, params, split: data.Split, batch_size: int) -> float:
@@ -39,12 +42,13 @@ def _params_finite(params) -> bool:
         [jnp.all(jnp.isfinite(leaf)) for leaf in jax.tree.leaves(params)]))))
 
 
-def _save_checkpoint(ckpts, compiled, state, progress: Progress, settings: dict, done: int,
-                     epsilon: float, key_saved: bool) -> None:
+def save_checkpoint(ckpts, compiled, state, progress: Progress, settings: Settings, done: int,
+                    epsilon: float, key_saved: bool) -> None:
+    """The state, the best params and the privacy ledger (the settings, the epsilon spent after
+    ``done`` steps, its DpEvent, and the loop's progress) as one checkpoint."""
     ledger = dict(
-        format=1, step=done, settings=settings,
-        settings_sha256=checkpoint.settings_digest(settings), epsilon_spent=epsilon,
-        dp_event=accounting.event_to_json(compiled.run_event(done)),
+        format=1, step=done, settings=settings.as_json(), settings_sha256=settings.digest(),
+        epsilon_spent=epsilon, dp_event=accounting.event_to_json(compiled.run_event(done)),
         best_validation_accuracy=progress.best["validation_accuracy"],
         best_step=progress.best["step"], resumed_from=progress.resumed_from,
         nonfinite_examples=progress.nonfinite_total, fidelity=progress.fidelity,
@@ -61,7 +65,7 @@ class _Loop(NamedTuple):
     config: TrainConfig
     workdir: Path
     ckpts: Any
-    settings: dict
+    settings: Settings
     eval_fn: Callable
     wall_start: float
 
@@ -140,7 +144,7 @@ def _train_loop(loop: _Loop, state, progress: Progress, start_step: int, end_ste
                 step=done, steps_per_s=rate, epsilon=epsilon, train_loss=loss,
                 nonfinite_examples=progress.nonfinite_total, wall_s=now - loop.wall_start))
         if save_now:
-            _save_checkpoint(loop.ckpts, compiled, state, progress, loop.settings, done,
+            save_checkpoint(loop.ckpts, compiled, state, progress, loop.settings, done,
                              epsilon, key_saved=config.seed is not None)
     return state
 
@@ -159,10 +163,10 @@ def train(workdir: str | Path, config: Optional[TrainConfig] = None,
     config.validate()
     budget = accounting.Budget() if budget is None else budget
     pipeline_name, stages = pipeline_stages()
-    validate_pipeline(stages)  # fail on a bad pipeline before loading any data
+    pipeline = validate_pipeline(stages)  # once, before any data is loaded
     # a stage that is not dpbench's own: its declaration verified on synthetic data first
-    verified = stage_check.verify_pipeline(stages)
-    started = start_run(workdir, stages, config, budget, pipeline_name, overwrite)
+    verified = stage_check.verify_pipeline(pipeline.stages)
+    started = start_run(workdir, pipeline, config, budget, pipeline_name, overwrite)
     run, ckpts, state, progress = started.run, started.ckpts, started.state, started.progress
     end_step, stop_reason = started.end_step, started.stop_reason
     start_step = int(jax.device_get(state.step))
@@ -172,9 +176,14 @@ def train(workdir: str | Path, config: Optional[TrainConfig] = None,
     if start_step == end_step:
         logging.info("the checkpoint at step %d already holds the whole run", end_step)
     ckpts.close()
-    record = _run_record(loop, state, progress, pipeline_name, gin_files, budget, end_step,
-                         stop_reason, verified)
-    records.atomic_write_text(workdir / "operative_config.gin", gin.operative_config_str())
+    test_accuracy = _evaluate(eval_fn, progress.best["params"], run.dataset.test,
+                              config.eval_batch_size)
+    record = run_record.run_record(
+        started.settings, run, config, state, progress, end_step=end_step,
+        stop_reason=stop_reason, test_accuracy=test_accuracy, gin_files=gin_files,
+        verified=verified, wall_time_s=time.time() - wall_start)
+    records.atomic_write_text(workdir / records.OPERATIVE_CONFIG_NAME,
+                              gin.operative_config_str())
     records.atomic_write_text(workdir / records.RECORD_NAME, records.to_json(record))
     logging.info("done: test accuracy %.4f (best validation %s at step %d), epsilon %.4f",
                  record["test_accuracy"], "none (refit)" if record["validation_accuracy"] is None
@@ -182,53 +191,3 @@ def train(workdir: str | Path, config: Optional[TrainConfig] = None,
                  record["epsilon"])
     logging.info("privacy: %s", record["privacy_statement"]["statement"])
     return record
-
-
-def _run_record(loop: _Loop, state, progress: Progress, pipeline_name: str, gin_files,
-                budget, end_step: int, stop_reason: str, verified: dict) -> dict:
-    """The run record: settings, privacy statement, accuracies, timings, versions;
-    ``verified`` maps each outside stage to the checks it passed before training."""
-    run, config = loop.run, loop.config
-    compiled, dataset, best = run.compiled, run.dataset, progress.best
-    test_acc = _evaluate(loop.eval_fn, best["params"], dataset.test, config.eval_batch_size)
-    epsilon = compiled.epsilon_after(end_step)
-    steady = progress.interval_step_s[1:] or progress.interval_step_s  # first holds compile
-    sources = [dict(source, checks_passed=verified[source["stage"]])  # what dpbench verified
-               for source in stage_check.stage_sources(s.name for s in compiled.plan.stages)]
-    return dict(
-        pipeline=pipeline_name, gin_files=list(gin_files), stages=compiled.plan.facts(),
-        dataset=dataset.name, features=dataset.features, model=run.model_name,
-        dataset_size=len(dataset.train), validation_size=len(dataset.validation),
-        public_size=0 if dataset.public is None else len(dataset.public),
-        target_epsilon=budget.epsilon, epsilon=epsilon, delta=budget.delta,
-        accountant=budget.accountant, noise_multiplier=compiled.noise_multiplier,
-        l2_sensitivity=compiled.sensitivity, batch_size=config.batch_size,
-        epochs=config.epochs, steps=end_step, planned_steps=run.total_steps,
-        stop_reason=stop_reason, budget_enforced=config.enforce_budget,
-        per_example_strategy=compiled.plan.strategy,
-        per_example_strategy_reason=compiled.plan.strategy_reason or None,
-        sampling=run.sampler.describe(),
-        seed=config.seed,  # None for a release run: its OS-drawn seed is never written
-        ema_decay=config.ema_decay, validation_accuracy=best["validation_accuracy"],
-        best_step=best["step"], test_accuracy=test_acc,
-        wall_time_s=time.time() - loop.wall_start,
-        final_params_sha256=records.tree_sha256(state.params),
-        final_params_fingerprint=numerics.params_fingerprint(state.params),
-        host_numerics=numerics.host_numerics(),
-        resumed_from_steps=progress.resumed_from, nonfinite_examples=progress.nonfinite_total,
-        fidelity=run_record.fidelity_summary(config, progress.fidelity),
-        dp_event=accounting.event_to_json(compiled.run_event(end_step)),
-        settings_sha256=checkpoint.settings_digest(loop.settings), calibration_s=run.compile_s,
-        median_step_s=float(np.median(steady)) if steady else None,
-        versions=records.versions(), git_commit=records.git_commit(),
-        git_dirty=records.git_dirty(),
-        stage_sources=sources,
-        devices=[str(d) for d in run.mesh.devices.flat],
-        privacy_statement=run_record.privacy_statement(run, budget, config, end_step, epsilon,
-                                                       sources),
-        non_private_outputs=["train_loss, update_norm and nonfinite_examples in metrics.jsonl "
-                             "are diagnostics computed from private batches; they are not "
-                             "released by the accounted mechanism"] + (
-            ["fidelity (fidelity_cosine, noise_to_signal) compares the release with the clean "
-             "clipped gradient: non-private benchmark output"]
-            if config.fidelity_every_steps else []))

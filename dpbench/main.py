@@ -106,7 +106,8 @@ def _command(argv: list) -> tuple:
 
 
 def run():
-    """The console script: ``dpbench COMMAND [flags]``, see ``usage``."""
+    """The console script: ``dpbench COMMAND [flags]``, see ``usage``. Every command runs as
+    an absl main (``cli_args.absl_main``): its own flags and absl's standard ones."""
     if sys.argv[1:] in ([], ["-h"], ["--help"], ["help"]):
         print(usage(), file=sys.stdout if sys.argv[1:] else sys.stderr)
         sys.exit(0 if sys.argv[1:] else 2)
@@ -114,26 +115,30 @@ def run():
     if command not in COMMANDS:
         print(f"dpbench: error: unknown command {command!r}\n\n{usage()}", file=sys.stderr)
         sys.exit(2)
-    # Imported on demand: each command's module is slow to import (matplotlib, Ray, the audit's
-    # flags), and none of them imports this module (no cycle).
-    if command == "board":
-        from dpbench import board
-        sys.exit(board.main(rest))
-    if command == "sweep":
-        from dpbench import sweep
-        sys.exit(sweep.main(rest))
-    if command == "audit":
-        from dpbench import audit
-        audit.run(rest)
-        return
-    parser = _check_parser() if command == "check" else _train_parser()
-    if {"-h", "--help"} & set(rest):
-        parser.print_help()
+    if command in ("train", "check") and {"-h", "--help"} & set(rest):
+        (_check_parser() if command == "check" else _train_parser()).print_help()
         print()
         sys.exit(_registered_help(rest))
-    args = parser.parse_args(rest)
-    cli_args.start_logging()
-    (check_main if command == "check" else main)(args)
+    parse, execute = _entry(command)
+    cli_args.absl_main(f"dpbench {command}", parse, execute, rest)
+
+
+def _entry(command: str) -> tuple:
+    """(parse, execute) of a command: its flags to a namespace, the namespace to an exit code.
+    Imported on demand: each command's module is slow to import (matplotlib, Ray, the audit's
+    checks), and none of them imports this module (no cycle)."""
+    if command == "board":
+        from dpbench import board
+        return board.parse_args, board.run_board
+    if command == "sweep":
+        from dpbench import sweep
+        return sweep.parse_args, sweep.run_sweep
+    if command == "audit":
+        from dpbench import audit
+        return audit.flag_parser().parse_args, audit.audit_main
+    if command == "check":
+        return _check_parser().parse_args, check_main
+    return _train_parser().parse_args, main
 
 
 def _registered_help(rest: list) -> int:

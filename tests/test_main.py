@@ -155,17 +155,59 @@ def test_an_unknown_command_says_which_exist(monkeypatch, capsys):
     ("check", "--gin_bindings", "(default: [])")])
 def test_each_commands_help_gives_its_flags_with_their_defaults(command, flag, default,
                                                                  monkeypatch, capsys):
-    if command == "audit":  # its absl flags (--out) would clash with another module's here
-        done = run_guarded([sys.executable, "-c", "from dpbench.main import run; run()",
-                            command, "--help"])
-        assert done.returncode == 0, done.stderr
-        text = " ".join(done.stdout.split())
-    else:
-        assert _cli(monkeypatch, command, "--help") == 0
-        text = " ".join(capsys.readouterr().out.split())
+    assert _cli(monkeypatch, command, "--help") == 0
+    text = " ".join(capsys.readouterr().out.split())
     assert flag in text
     if default:
         assert default in text
+
+
+@pytest.fixture
+def absl_standard_flags():
+    """absl's standard flags as they were: a test that sets -v or --alsologtostderr restores
+    them (they are process-wide)."""
+    from absl import flags, logging
+    saved = {name: flags.FLAGS[name].value for name in ("verbosity", "alsologtostderr")}
+    yield flags.FLAGS
+    for name, value in saved.items():
+        flags.FLAGS[name].value = value
+    logging.set_verbosity(logging.INFO)
+
+
+@pytest.mark.parametrize("command,more", [
+    ("train", ["--workdir=somewhere"]), ("check", []), ("audit", ["--trials=7"]),
+    ("sweep", ["--cpus=3"]), ("board", ["--records=recs"])])
+def test_every_command_takes_absls_standard_flags(command, more, tmp_path, absl_standard_flags):
+    """An absl main: --flagfile (its lines expanded into the command line), --alsologtostderr
+    and -v reach every command's parser; an unknown flag still exits 2 naming it."""
+    from dpbench import main
+    flagfile = tmp_path / "flags.txt"
+    flagfile.write_text("# a comment\n" + "".join(f"{line}\n" for line in more))
+    parse, _ = main._entry(command)
+    args = parse([f"--flagfile={flagfile}", "--alsologtostderr", "-v", "1"])
+    assert absl_standard_flags.verbosity == 1 and absl_standard_flags.alsologtostderr
+    expected = {"train": ("workdir", "somewhere"), "check": ("gin_file", []),
+                "audit": ("trials", 7), "sweep": ("cpus", 3), "board": ("records", "recs")}
+    name, value = expected[command]
+    assert getattr(args, name) == value
+    with pytest.raises(SystemExit) as done:
+        parse(["--no_such_flag=1"])
+    assert done.value.code == 2
+
+
+def test_a_flagfile_holds_a_pipeline_for_the_cli(tmp_path):
+    """`dpbench check --flagfile=F` with F holding --gin_file lines, as a launcher passes it,
+    next to absl's logging flags: the pipeline is read from F; a missing F exits 2."""
+    flagfile = tmp_path / "flags.txt"
+    flagfile.write_text("".join(f"--gin_file={REPO_ROOT / f}\n" for f in DIGITS))
+    proc = run_guarded([sys.executable, "-m", "dpbench.main", "check", f"--flagfile={flagfile}",
+                        "--alsologtostderr", "-v", "1"], cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "pipeline dpsgd: every declaration holds" in proc.stdout
+    missing = run_guarded([sys.executable, "-m", "dpbench.main", "check",
+                           f"--flagfile={tmp_path / 'nowhere.txt'}"], cwd=tmp_path)
+    assert missing.returncode == 2 and "Unable to open flagfile" in missing.stderr
+    assert "Traceback" not in missing.stderr
 
 
 def test_a_pipeline_run_from_a_users_own_folder_logs_no_error(tmp_path, monkeypatch, caplog):

@@ -20,7 +20,7 @@ The package: ``results`` (load, validate, choose on validation, summarize), ``re
 table per group, to Markdown and HTML), ``plots``, ``verdicts``, ``build`` (the command).
 """
 
-from dpbench.board.build import INPUTS_FILE, board_inputs, build, main
+from dpbench.board.build import INPUTS_FILE, board_inputs, build, main, parse_args, run_board
 from dpbench.board.plots import plot_expected_best, plot_groups
 from dpbench.board.render import SELECTION_RULE, render_html, render_markdown
 from dpbench.board.results import (BASELINE, LeaderboardError, choose_configuration, config_key,
@@ -30,6 +30,6 @@ from dpbench.board.verdicts import v1_gains, verdict_tables, verdicts
 
 __all__ = ["BASELINE", "INPUTS_FILE", "LeaderboardError", "SELECTION_RULE", "board_inputs",
            "build", "choose_configuration", "config_key", "config_label", "load_audits",
-           "load_perf", "load_records", "main", "plot_expected_best", "plot_groups",
-           "render_html", "render_markdown", "searches_in_progress", "summarize",
+           "load_perf", "load_records", "main", "parse_args", "plot_expected_best", "plot_groups",
+           "render_html", "render_markdown", "run_board", "searches_in_progress", "summarize",
            "unrankable_reason", "v1_gains", "verdict_tables", "verdicts"]

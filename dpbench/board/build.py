@@ -269,7 +269,8 @@ def resolve_paths(args) -> str | None:
     return None
 
 
-def main(argv=None) -> int:
+def parse_args(argv=None):
+    """``dpbench board``'s flags (``argv``: default the process's)."""
     from dpbench.cli_args import FlagParser
     parser = FlagParser("dpbench board", "The leaderboard: run records in, README.md + "
                         "index.html + plots out.")
@@ -299,7 +300,16 @@ def main(argv=None) -> int:
                         help="after building, freeze the board: board.json records the hashes "
                              "of its README.md, index.html and records, and later code never "
                              "re-renders it (an archive)")
-    args = parser.parse_args(argv)
+    return parser.parse_args(sys.argv[1:] if argv is None else argv)
+
+
+def main(argv=None) -> int:
+    """``dpbench board [flags]`` called as a function: the exit code."""
+    return run_board(parse_args(argv))
+
+
+def run_board(args) -> int:
+    """Builds (and with --freeze freezes) the board the parsed flags name; the exit code."""
     problem = resolve_paths(args)
     if problem:
         print(f"dpbench: error: {problem}", file=sys.stderr)

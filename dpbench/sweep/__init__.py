@@ -1,4 +1,4 @@
-"""``dpbench sweep``: board v2's trials on Ray Tune (the optional ``[sweep]`` extra).
+"""``dpbench sweep``: the board's trials on Ray Tune (the optional ``[sweep]`` extra).
 
   dpbench sweep [--protocol=leaderboard/protocol.json] [--families F ...] [--epsilons E ...]
                 [--methods M ...] [--runs_dir=runs/sweep] [--records=leaderboard/records]
@@ -264,7 +264,12 @@ def _parser():
 
 
 def main(argv=None) -> int:
-    args = parse_args(argv)
+    """``dpbench sweep [MODE] [flags]`` called as a function: the exit code."""
+    return run_sweep(parse_args(argv))
+
+
+def run_sweep(args: argparse.Namespace) -> int:
+    """The sweep the parsed flags ask for; the exit code."""
     if args.cost:
         sweep_cost.print_cost(args.runs_dir, args.cpus_per_trial)
         return 0

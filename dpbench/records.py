@@ -50,6 +50,13 @@ def atomic_write_text(path: Path, text: str) -> None:
     atomic_write(path, lambda f: f.write(text.encode()))
 
 
+def publish_record(run_dir: Path, target: Path) -> None:
+    """The one way a finished run's record enters a records folder (a sweep's trial, a secret
+    search's winner): copied whole from ``run_dir`` into ``target``, atomically, so a crash or
+    a full disk leaves no partial record to be read as a finished trial."""
+    atomic_write_text(Path(target) / RECORD_NAME, (Path(run_dir) / RECORD_NAME).read_text())
+
+
 def _json_default(value):
     if hasattr(value, "item"):
         return value.item()
@@ -181,7 +188,7 @@ def privacy_statement(*, epsilon: float, delta: float, mechanisms: list, sampler
                       steps: int, accountant: str, accountant_version: str,
                       accountant_settings: dict, accounting_note: str,
                       not_covered: list, inputs: list = (), outside_stages: list = (),
-                      seed_secret: bool = False) -> dict:
+                      seed_secret: bool = False, timing_protected: bool = False) -> dict:
     """The claim a run makes, generated from its privacy ledger.
 
     ``mechanisms`` are the ledger's lines as plain dicts (``mechanism_fields``): the statement
@@ -194,7 +201,8 @@ def privacy_statement(*, epsilon: float, delta: float, mechanisms: list, sampler
     dpbench's own (``compiler.check.stage_sources`` with the checks they passed): the epsilon
     rests on their declarations, which dpbench checks on synthetic data but cannot prove;
     ``seed_secret``: the run drew its seed from OS entropy and wrote it nowhere
-    (``train.seed = None``).
+    (``train.seed = None``); ``timing_protected``: the step has no data-dependent
+    conditional, so its running time does not depend on the realized batch.
     """
     poisson = sampler.get("poisson_accounted", False)
     text = (f"({epsilon:.6g}, {delta:g})-DP under add/remove-one-example adjacency for the "
@@ -210,6 +218,9 @@ def privacy_statement(*, epsilon: float, delta: float, mechanisms: list, sampler
         text += (" The run's randomness (initialisation, batches, noise) came from a seed drawn "
                  "from the operating system's entropy, written to no file: not to this record, "
                  "its checkpoints or its logs.")
+    if timing_protected:
+        text += (" Its step has no data-dependent branch: its running time does not depend on "
+                 "the realized batch size.")
     if outside_stages:
         text += (" Stages from outside dpbench: " + "; ".join(
             f"{s['stage']} (module {s['module']}, file sha256 {s['sha256'][:12]}, checked on "
@@ -230,4 +241,4 @@ def privacy_statement(*, epsilon: float, delta: float, mechanisms: list, sampler
                 truncated_poisson=sampler.get("truncated", False),
                 mechanisms=list(mechanisms), not_covered=list(not_covered),
                 inputs=list(inputs), outside_stages=list(outside_stages),
-                seed_secret=seed_secret, statement=text)
+                seed_secret=seed_secret, timing_protected=timing_protected, statement=text)

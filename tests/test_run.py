@@ -1,10 +1,11 @@
-"""dpbench/run.py: a run before its first step. ``run_event`` (what a sweep's planning reads,
+"""dpbench/run/ (build, settings): a run before its first step. ``run_event`` (what a sweep's planning reads,
 from the compiler's ``account_only``) is the event the built run would account, for every
 kind of ledger: the per-step Gaussian alone, a stage's own per-step cost (GIP), a one-off
 release before training (DP-SNIP), a clip with public inputs (GEP)."""
 
 import json
 
+import jax
 import pytest
 
 from dpbench import accounting, config
@@ -96,3 +97,33 @@ def test_trials_share_a_group_by_shape_and_structure_never_by_their_numbers():
     assert _settings(stages=("grad.per_example", "clip.other")).group_key() != base.group_key()
     assert base.as_json()["planned_steps"] == 7 and base.digest() == _settings().digest()
     assert _settings(seed=1).digest() != base.digest()
+
+
+_CONDITIONALS = ("stablehlo.case", "stablehlo.if")
+
+
+@pytest.mark.parametrize("seed", [0, None], ids=["benchmark", "release"])
+def test_a_release_steps_time_does_not_depend_on_its_batch_and_a_benchmark_says_it_may(seed):
+    """A release run (train.seed = None) compiles its whole step without a data-dependent
+    conditional: how many micro-batches the realized Poisson batch filled (who was sampled)
+    does not change what runs. A benchmark run keeps the faster step that skips empty
+    micro-batches, and its statement lists the step's time as not covered."""
+    from dpbench.run import Settings, record
+    files, bindings = golden_run("dpsgd")
+    config.parse_config(files, [*bindings, f"train.seed = {seed}"])
+    name, stages = config.pipeline_stages()
+    train_config, budget = config.TrainConfig(), accounting.Budget()
+    built = run.build_run(stages, train_config, budget)
+    state = built.initial_state()
+    hlo = jax.jit(built.compiled.lowered.step).lower(state, built.host_batch(0)).as_text()
+    has_conditional = any(op in hlo for op in _CONDITIONALS)
+    settings = Settings.of(pipeline=name, compiled=built.compiled, dataset=built.dataset,
+                           model=built.model_name, config=train_config, budget=budget)
+    statement = record.privacy_statement(settings, built, 3, 1.0)
+    timing = [item for item in statement["not_covered"] if "running time" in item["what"]]
+    assert settings.branch_free_step is (seed is None) is statement["timing_protected"]
+    if seed is None:
+        assert not has_conditional and not timing
+        assert "running time does not depend" in statement["statement"]
+    else:
+        assert has_conditional and timing  # the check can fail: the benchmark step has one

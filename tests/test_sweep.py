@@ -558,11 +558,13 @@ class _HalfThenFail:
         return self._f.__exit__(*exc)
 
 
-def test_a_publish_that_fails_half_way_leaves_no_record(tmp_path, monkeypatch):
-    """run_job publishing a finished run's record, its write failing after half the bytes
-    (whatever file API publishing uses: builtins.open or os.fdopen): no record is under the
-    records folder afterwards, partial or whole, so a resumed sweep or the board never reads a
-    half-written record as a finished trial; the run is published whole by the next call."""
+@pytest.mark.parametrize("path", ["finished before a restart", "just finished"])
+def test_a_publish_that_fails_half_way_leaves_no_record(path, tmp_path, monkeypatch):
+    """run_job publishing a finished run's record, on either of its paths (the run finished
+    before the sweep restarted; the run it just launched finished), its write failing after
+    half the bytes (whatever file API publishing uses: builtins.open or os.fdopen): no record
+    is under the records folder afterwards, partial or whole, so a resumed sweep or the board
+    never reads a half-written record as a finished trial; the next call publishes it whole."""
     import builtins
     job = dict(records=str(tmp_path / "records"), runs_dir=str(tmp_path / "runs"),
                repo=str(config.REPO_ROOT), group=GROUP, epsilon=3.0, delta=1e-5,
@@ -570,7 +572,13 @@ def test_a_publish_that_fails_half_way_leaves_no_record(tmp_path, monkeypatch):
     finished = tmp_path / "runs" / GROUP / "dpsgd-t1-seed0"
     finished.mkdir(parents=True)
     whole = json.dumps({"validation_accuracy": 0.7, "pad": "x" * 4000})
-    (finished / "run_record.json").write_text(whole)
+    if path == "finished before a restart":
+        (finished / "run_record.json").write_text(whole)
+    else:  # the launched run (a stand-in for the dpbench command) writes its record and ends
+        def launched(command, **kwargs):
+            (finished / "run_record.json").write_text(whole)
+            return subprocess.CompletedProcess(command, 0)
+        monkeypatch.setattr(sweep.subprocess, "run", launched)
     records = tmp_path / "records"
     real_open, real_fdopen = builtins.open, os.fdopen
 
@@ -585,7 +593,8 @@ def test_a_publish_that_fails_half_way_leaves_no_record(tmp_path, monkeypatch):
     monkeypatch.setattr(os, "fdopen", faulty(real_fdopen))
     with pytest.raises(OSError, match="injected"):
         sweep.run_job(job)
-    monkeypatch.undo()
+    monkeypatch.setattr(builtins, "open", real_open)
+    monkeypatch.setattr(os, "fdopen", real_fdopen)
     left = [p for p in records.rglob("*") if p.is_file()] if records.exists() else []
     assert left == [], left  # neither the record nor a temporary file
     assert sweep.run_job(job)["validation_accuracy"] == 0.7  # the next call publishes it whole

@@ -20,7 +20,7 @@ from dpbench.compiler.pipeline import CompiledPipeline, account_only, compile_pi
 from dpbench.compiler.plan import StepOptions
 from dpbench.compiler.rules import ValidatedPipeline
 from dpbench.config import TrainConfig
-from dpbench.run.settings import total_steps_for
+from dpbench.run.settings import branch_free, total_steps_for
 from dpbench.stages.base import Stage
 
 
@@ -121,7 +121,7 @@ def build_run(stages: Sequence[Stage] | ValidatedPipeline, config: TrainConfig,
         stages, parts.inputs(config, budget), mesh=mesh,
         micro_batch_size=config.micro_batch_size, ema_decay=config.ema_decay,
         fidelity_diagnostics=config.fidelity_every_steps > 0, host_seed=parts.seeds[3],
-        step_options=StepOptions(branch_free=config.branch_free_step,
+        step_options=StepOptions(branch_free=branch_free(config),
                                  conv_grads=config.conv_grads))
     dataset = parts.dataset
     return Run(dataset=dataset, model=parts.model, model_name=parts.model_config.name,

@@ -81,6 +81,13 @@ def not_covered(settings: Settings, diagnostics: bool = False) -> list:
                  " and the fidelity metrics" if diagnostics else "") +
                  " are computed from private batches without noise, and so is the decision "
                  "to stop a diverged run")]
+    if not settings.branch_free_step:
+        items.append(dict(what="the step's running time",
+                          why="this benchmark run's step skips the micro-batches its Poisson "
+                              "batch left empty, so its time depends on the realized batch "
+                              "size, a function of who was sampled; a release run "
+                              "(train.seed = None) compiles a step without data-dependent "
+                              "branches"))
     if settings.seed is not None:
         items.append(dict(what=f"this run as a release (train.seed = {settings.seed})",
                           why="a benchmark run derives all its noise from the recorded seed, "
@@ -103,7 +110,8 @@ def privacy_statement(settings: Settings, run, end_step: int, epsilon: float,
         accountant_settings=accounting.accountant_settings(budget),
         accounting_note=accounting.accounting_note(compiled.run_event(end_step), budget),
         not_covered=not_covered(settings, diagnostics), inputs=list(run.inputs),
-        outside_stages=outside_stages, seed_secret=settings.seed is None)
+        outside_stages=outside_stages, seed_secret=settings.seed is None,
+        timing_protected=settings.branch_free_step)
 
 
 def fidelity_summary(config: TrainConfig, fidelity: dict) -> Optional[dict]:

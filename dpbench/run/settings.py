@@ -20,6 +20,14 @@ from dpbench import accounting, checkpoint, records
 from dpbench.config import TrainConfig
 
 
+def branch_free(config: TrainConfig) -> bool:
+    """Whether the step is compiled without data-dependent conditionals: always for a release
+    run (``train.seed = None``), whose step time must not tell how many micro-batches the
+    realized Poisson batch filled (a function of who was sampled); on request
+    (``train.branch_free_step``) for a benchmark run, which otherwise skips empty ones."""
+    return config.branch_free_step or config.seed is None
+
+
 def total_steps_for(epochs: float, dataset_size: int, batch_size: int) -> int:
     """ceil(epochs * N / B), computed exactly on the decimal the user wrote for ``epochs``
     (float rounding would make 30 * (50000 / 3000) = 500.00000000000006 into 501 steps)."""
@@ -55,6 +63,7 @@ class Settings:
     l2_sensitivity: float
     ema_decay: float
     budget_enforced: bool
+    branch_free_step: bool     # no data-dependent conditional: the step's time is public
 
     @classmethod
     def of(cls, *, pipeline: str, compiled, dataset, model: str, config: TrainConfig,
@@ -75,7 +84,7 @@ class Settings:
             noise_multiplier=compiled.noise_multiplier,
             init_noise_multiplier=compiled.init_noise_multiplier,
             l2_sensitivity=compiled.sensitivity, ema_decay=config.ema_decay,
-            budget_enforced=config.enforce_budget)
+            budget_enforced=config.enforce_budget, branch_free_step=branch_free(config))
 
     def budget(self) -> accounting.Budget:
         """The budget these settings were made under."""

@@ -98,8 +98,7 @@ def run_job(job: dict) -> dict:
     workdir.parent.mkdir(parents=True, exist_ok=True)
     if (workdir / records_lib.RECORD_NAME).exists():
         # it finished, but the sweep was stopped before publishing it: publish, never rerun
-        records_lib.atomic_write_text(target / records_lib.RECORD_NAME,
-                                      (workdir / records_lib.RECORD_NAME).read_text())
+        records_lib.publish_record(workdir, target)
         return _result(target)
     command = [sys.executable, "-m", "dpbench.main", f"--workdir={workdir}",
                *[f"--gin_file={f}" for f in job["gin_files"]],
@@ -118,8 +117,7 @@ def run_job(job: dict) -> dict:
         if lock is not None:
             lock.close()
     if proc.returncode == 0 and (workdir / records_lib.RECORD_NAME).exists():
-        records_lib.atomic_write_text(target / records_lib.RECORD_NAME,
-                                      (workdir / records_lib.RECORD_NAME).read_text())
+        records_lib.publish_record(workdir, target)
         return _result(target)
     tail = (workdir.parent / f"{workdir.name}.log").read_text()[-2000:]
     if "training diverged" in tail:

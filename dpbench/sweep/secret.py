@@ -61,8 +61,7 @@ def publish_selected(plans, private_records: Path, records: Path) -> list:
                     "dp_accounting's RepeatAndSelectDpEvent). Every trial drew its own seed "
                     "(initialisation, batches, noise) from OS entropy, and no file holds it. "
                     "Releasing anything else of the search voids it."))
-            records_lib.atomic_write_text(target / records_lib.RECORD_NAME,
-                                          (source / records_lib.RECORD_NAME).read_text())
+            records_lib.publish_record(source, target)
             records_lib.atomic_write_text(target / RELEASE, json.dumps(release, indent=1) + "\n")
             published.append(target)
     return published

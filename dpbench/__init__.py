@@ -1,3 +1,3 @@
 """dpbench: a benchmark of differentially private deep learning methods in JAX."""
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"

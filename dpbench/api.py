@@ -18,7 +18,7 @@ import json
 from pathlib import Path
 from typing import Sequence
 
-from dpbench import config, records
+from dpbench import cli_args, config, records
 from dpbench.compiler import check as stage_check
 from dpbench.compiler.rules import validate_pipeline
 from dpbench.run import loop as run_loop
@@ -44,9 +44,12 @@ def check(gin_files: Sequence[str] = (), gin: str | Sequence[str] = ()) -> dict:
 
 
 def train(workdir, gin_files: Sequence[str] = (), gin: str | Sequence[str] = (),
-          overwrite: bool = False) -> dict:
+          overwrite: bool = False, progress: bool = True) -> dict:
     """``dpbench train``: trains the configured pipeline into ``workdir`` (an unfinished run
-    there is resumed) and returns its run record."""
+    there is resumed) and returns its run record. ``progress``: the run's progress lines on
+    stderr (absl logging at INFO, as the command shows them)."""
+    if progress:
+        cli_args.start_logging()
     _parse(gin_files, gin)  # the train loop validates the pipeline, once
     return run_loop.train(Path(workdir), config.TrainConfig(), gin_files=list(gin_files),
                            overwrite=overwrite)

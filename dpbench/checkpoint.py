@@ -218,6 +218,13 @@ class RunCheckpoints:
         self._manager.close()
 
 
+def manifested_steps(directory: str | Path) -> list[int]:
+    """The steps under ``directory`` whose manifest was written (each a whole checkpoint), read
+    from the files alone: no orbax manager is opened, nothing is created."""
+    return sorted(int(p.stem) for p in (Path(directory) / MANIFESTS).glob("*.json")
+                  if p.stem.isdigit())
+
+
 def settings_digest(settings: dict) -> str:
     return hashlib.sha256(json.dumps(settings, sort_keys=True, default=str).encode()).hexdigest()
 

@@ -11,8 +11,11 @@ registers every configurable a gin file may bind and no import cycle exists.
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import inspect
 import logging
 import os
+import re
 import sys
 from pathlib import Path
 from typing import Optional, Sequence
@@ -52,7 +55,8 @@ class TrainConfig:
     fidelity_every_steps > 0 records, every that many steps, the cosine between the released
     update and the clean mean of clipped gradients and the noise-to-signal norm ratio: they read
     private data, so the record lists them as NON-PRIVATE benchmark output (off by default).
-    branch_free_step=True compiles the clipped sum without data-dependent conditionals: every
+    branch_free_step=True compiles the clipped sum without data-dependent conditionals (a
+    release run, seed=None, always is, so its step time does not tell its batch size): every
     micro-batch runs (one of padding only adds zeros) and book-keeping always takes its weighted
     sum that zeroes non-finite examples (a stage may keep its own, as GEP's does). The same
     sums; a speed knob for GPUs, where XLA reads a conditional's predicate back on the host.
@@ -96,10 +100,11 @@ class TrainConfig:
 
 
 def _drop_gin_search_misses(record: logging.LogRecord) -> bool:
-    """False for gin's 'Path not found' log of an include it misses under one search path
-    before finding it under the next (the cwd, then the repository): a false alarm on every run
-    from a user's own folder. An include found nowhere still raises, as ConfigError."""
-    return not (record.msg == "Path not found: %s"
+    """False for gin's logs of its search for an include: the 'Path not found' of an include
+    it misses under one search path before finding it under the next (the cwd, then the
+    repository), a false alarm on every run from a user's own folder, and the line it logs for
+    every path it tries. An include found nowhere still raises, as ConfigError."""
+    return not (record.msg in ("Path not found: %s", "system_path_file_exists:%s")
                 and record.pathname.endswith(os.path.join("gin", "resource_reader.py")))
 
 
@@ -129,6 +134,40 @@ def _guard_gin_package_reader() -> None:
             readers[i] = (reader, _package_file_exists)
 
 
+_NO_PARAMETER = re.compile(r"Configurable '([^']+)' doesn't have a parameter named '([^']+)'")
+_NO_CONFIGURABLE = re.compile(r"No configurable matching (?:reference )?'@?([\w.]+)")
+
+
+def _configurables() -> dict:
+    """The name a gin file writes -> the function or class, for every configurable."""
+    registry = gin.config._REGISTRY  # noqa: SLF001 (gin has no public listing)
+    return {(selector.rsplit(".", 1)[-1] if selector.startswith("dpbench.") else selector):
+            configurable.wrapped for selector, configurable in registry.items()
+            if not selector.startswith("gin.")}
+
+
+def _close(name: str, candidates) -> str:
+    close = difflib.get_close_matches(name, list(candidates), n=1, cutoff=0.6)
+    return f"did you mean {close[0]!r}? " if close else ""
+
+
+def _what_to_change(message: str) -> str:
+    """A gin error's remedy: the nearest parameter of the configurable it names, or the
+    nearest configurable, and what exists (never a list of every stage for a parameter)."""
+    configurables = _configurables()
+    unknown_parameter = _NO_PARAMETER.search(message)
+    if unknown_parameter:
+        name, parameter = unknown_parameter.groups()
+        wrapped = configurables.get(name) or configurables.get(name.rsplit(".", 1)[-1])
+        if wrapped is not None:
+            parameters = list(inspect.signature(wrapped).parameters)
+            return (f"{_close(parameter, parameters)}{name} takes: {', '.join(parameters)}")
+    unknown = _NO_CONFIGURABLE.search(message)
+    hint = _close(unknown.group(1), configurables) if unknown else ""
+    return (f"{hint}known stages: {', '.join(registered_stage_names())}; check the spelling "
+            "of configurable and parameter names")
+
+
 def parse_config(gin_files: Sequence[str], gin_bindings: Sequence[str]) -> None:
     """Parses gin files and bindings with the cwd and the repo root as include search paths.
 
@@ -150,8 +189,10 @@ def parse_config(gin_files: Sequence[str], gin_bindings: Sequence[str]) -> None:
         found = [path for path in (root / gin_file for root in _search_paths())
                  for path in (path, path / "pipeline.gin") if path.is_file()]
         if not found:
+            near = _close(gin_file, [f"pipelines/{p.name}" for p in
+                                     sorted((REPO_ROOT / "pipelines").iterdir()) if p.is_dir()])
             raise ConfigError(f"gin file {gin_file!r} not found (looked in {Path.cwd()} and "
-                              f"{REPO_ROOT}); a method's pipeline is pipelines/<name>/"
+                              f"{REPO_ROOT}); {near}a method's pipeline is pipelines/<name>/"
                               "pipeline.gin (or give the method's folder, pipelines/<name>)")
         resolved.append(str(found[0].absolute()))  # gin finds only cwd-relative top files
     for directory in [str(Path.cwd())] + [str(Path(f).parent) for f in resolved]:
@@ -162,8 +203,6 @@ def parse_config(gin_files: Sequence[str], gin_bindings: Sequence[str]) -> None:
     try:
         gin.parse_config_files_and_bindings(resolved, gin_bindings)
     except (ValueError, KeyError, SyntaxError, IOError, ImportError) as e:
-        raise ConfigError(f"gin configuration error: {e}\nknown stages: "
-                          f"{', '.join(registered_stage_names())}; check the spelling of "
-                          "configurable and parameter names") from e
+        raise ConfigError(f"gin configuration error: {e}\n{_what_to_change(str(e))}") from e
     finally:
         root_logger.removeFilter(_drop_gin_search_misses)

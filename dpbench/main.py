@@ -4,12 +4,13 @@
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
-from absl import logging
 
 from dpbench import accounting, checkpoint, cli_args, config
 from dpbench.compiler.rules import PipelineError, validate_pipeline
 from dpbench.run import loop as run_loop
+from dpbench.run import start as run_start
 
 
 def _train_parser() -> cli_args.FlagParser:
@@ -41,14 +42,16 @@ def main(args) -> None:
     except (config.ConfigError, PipelineError, accounting.BudgetError, FileNotFoundError,
             FileExistsError, ValueError, checkpoint.CheckpointError,
             run_loop.TrainingDiverged) as e:
-        logging.error("%s: %s", type(e).__name__, e)
         print(f"dpbench: error: {e}", file=sys.stderr)
         sys.exit(2)
     except KeyboardInterrupt:
         # Ctrl-C: every checkpoint and record is written atomically, so what was saved is
         # intact; say how to go on, not where Python was (128 + SIGINT, as shells report it)
-        print(f"dpbench: interrupted; rerun the same command to resume {args.workdir} from "
-              "its last checkpoint", file=sys.stderr)
+        saved = run_start.saved_steps(Path(args.workdir))
+        print("dpbench: interrupted; " + (
+            f"rerun the same command to resume {args.workdir} from its checkpoint at step "
+            f"{saved[-1]}" if saved else "nothing was saved yet: rerun the same command to "
+            f"start {args.workdir} again"), file=sys.stderr)
         sys.exit(130)
 
 

@@ -85,10 +85,11 @@ def test_a_reimported_stage_module_re_registers_and_a_stolen_name_is_refused(
         importlib.import_module("thief_stages")
 
 
-def test_a_stage_module_reloads_after_a_run(tmp_path, monkeypatch):
+def test_a_stage_module_reloads_after_a_run(tmp_path, monkeypatch, caplog):
     """The README's promise: after api.train (whose parse leaves gin's configuration locked),
     the user's stage module, edited, re-imports (importlib.reload) and the next call runs the
-    edited stage."""
+    edited stage. The run shows its progress; a finished workdir is refused naming the API's
+    own knob."""
     monkeypatch.syspath_prepend(str(tmp_path))
     source = scale_stage_source("afterrun.scale")
     (tmp_path / "afterrun_stages.py").write_text(source.replace("FACTOR", "0.5"))
@@ -97,6 +98,10 @@ def test_a_stage_module_reloads_after_a_run(tmp_path, monkeypatch):
     record = api.train(tmp_path / "run", ["pipelines/dpsgd", "gin/data/digits.gin"],
                        [stages_gin, "train.epochs = 1"])
     assert record["stages"][1] == {"name": "afterrun.scale", "factor": 0.5}
+    assert any("epsilon spent" in r.getMessage() for r in caplog.records)  # INFO: shown
+    with pytest.raises(ValueError, match=r"overwrite=True"):
+        api.train(tmp_path / "run", ["pipelines/dpsgd", "gin/data/digits.gin"],
+                  [stages_gin, "train.epochs = 1"])
     (tmp_path / "afterrun_stages.py").write_text(source.replace("FACTOR", "0.25"))
     importlib.reload(sys.modules["afterrun_stages"])
     _, stages = api.configure(["pipelines/dpsgd"], stages_gin)

@@ -40,6 +40,7 @@ def test_cli_trains_and_writes_a_record_with_a_privacy_statement(tmp_path):
     eps = [entry["epsilon"] for entry in lines if "epsilon" in entry]
     assert eps == sorted(eps) and eps[-1] == pytest.approx(record["epsilon"])
     assert "steps/s" in proc.stderr and "epsilon spent" in proc.stderr
+    assert "compilation included" in proc.stderr and "steps left" in proc.stderr
     # a finished run is never overwritten
     again = run_guarded(
         [sys.executable, "-m", "dpbench.main", *[f"--gin_file={f}" for f in DIGITS],
@@ -116,6 +117,23 @@ def test_missing_fashion_mnist_files_name_the_install_command(tmp_path, monkeypa
 def test_missing_gin_file_is_a_clear_error():
     with pytest.raises(config.ConfigError, match="not found.*pipelines/<name>/pipeline.gin"):
         config.parse_config(["pipelines/nope.gin"], [])
+
+
+@pytest.mark.parametrize("files,bindings,hint", [
+    (["pipelines/dpsgd"], ["train.epoch = 3"], "did you mean 'epochs'? train takes: batch_size"),
+    (["pipelines/dpsgd"], ["clip.global_l2.l2_bond = 1.0"],
+     "did you mean 'l2_bound'? clip.global_l2 takes: l2_bound"),
+    (["pipelines/dpsgd"], ["tran.epochs = 3"], "did you mean 'train'?"),
+    (["pipelines/dpsdg"], [], "did you mean 'pipelines/dpsgd'?"),
+])
+def test_a_misspelt_name_gets_the_nearest_real_one(files, bindings, hint):
+    """A typo in a parameter, a configurable or a method folder names the nearest real name;
+    a parameter's error lists that configurable's parameters, not every stage."""
+    with pytest.raises(config.ConfigError) as error:
+        config.parse_config(files, bindings)
+    assert hint in str(error.value)
+    if "takes:" in hint:
+        assert "known stages" not in str(error.value)
 
 
 def test_a_method_folder_stands_for_its_pipeline_file():
@@ -213,14 +231,15 @@ def test_a_flagfile_holds_a_pipeline_for_the_cli(tmp_path):
 def test_a_pipeline_run_from_a_users_own_folder_logs_no_error(tmp_path, monkeypatch, caplog):
     """Run from a researcher's folder, a pipeline's includes (gin/base.gin, ...) resolve under
     the repository after gin's reader misses them under the cwd; that miss was logged as
-    'ERROR:root:Path not found' on every run, a false alarm. An include missing everywhere is
-    still the clear error."""
+    'ERROR:root:Path not found' on every run, a false alarm, and each path tried as an INFO
+    line. An include missing everywhere is still the clear error."""
     import logging
     monkeypatch.chdir(tmp_path)
     caplog.set_level(logging.INFO)
     config.parse_config(["pipelines/dpsgd", "gin/data/digits.gin"], [])
     assert config.pipeline_stages()[0] == "dpsgd"
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
+    assert "system_path_file_exists" not in caplog.text  # gin's search, path by path
     (tmp_path / "broken.gin").write_text("include 'gin/nowhere.gin'\n")
     with pytest.raises(config.ConfigError, match="nowhere.gin"):
         config.parse_config(["broken.gin"], [])
@@ -265,22 +284,42 @@ def test_ctrl_c_says_how_to_resume_instead_of_a_traceback(tmp_path):
     (the same command resumes from the last checkpoint), not a KeyboardInterrupt traceback."""
     import signal
     import time
+    from dpbench import checkpoint
     workdir = tmp_path / "run"
     proc = subprocess.Popen(
         [sys.executable, "-m", "dpbench.main", *[f"--gin_file={f}" for f in DIGITS],
          "--gin_bindings=train.epochs = 50", "--gin_bindings=train.log_every_steps = 1",
-         f"--workdir={workdir}"], cwd=REPO_ROOT, stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT, text=True)
+         "--gin_bindings=train.checkpoint_every_steps = 2", f"--workdir={workdir}"],
+        cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     start = time.monotonic()
-    while not (workdir / "metrics.jsonl").exists():  # training has begun
+    while not checkpoint.manifested_steps(workdir / "checkpoints"):  # a checkpoint is saved
         assert proc.poll() is None, proc.communicate()[0][-3000:]
         if time.monotonic() - start > HANG_GUARD_S:
             proc.kill()
-            pytest.fail(f"hung: no step logged in {HANG_GUARD_S} s")
+            pytest.fail(f"hung: no checkpoint in {HANG_GUARD_S} s")
         time.sleep(0.05)
     proc.send_signal(signal.SIGINT)
     out = wait_guarded(proc, "the interrupted run")
     assert proc.returncode == 130, out[-3000:]
     assert "Traceback" not in out and "KeyboardInterrupt" not in out, out[-3000:]
-    assert "interrupted" in out and "rerun the same command" in out
+    assert "interrupted; rerun the same command to resume" in out and "at step " in out
     assert not (workdir / "run_record.json").exists()
+
+
+def test_ctrl_c_before_the_first_checkpoint_says_nothing_was_saved(tmp_path, monkeypatch,
+                                                                   capsys):
+    """Interrupted before any checkpoint, the message does not promise a resume."""
+    from types import SimpleNamespace
+    from dpbench import main
+    from dpbench.run import loop
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(loop, "train", interrupted)
+    args = SimpleNamespace(workdir=str(tmp_path / "run"), gin_file=DIGITS, gin_bindings=[],
+                           overwrite=False)
+    with pytest.raises(SystemExit) as done:
+        main.main(args)
+    assert done.value.code == 130
+    assert "nothing was saved yet: rerun the same command to start" in capsys.readouterr().err

@@ -111,3 +111,31 @@ def test_a_stage_that_lies_about_its_bound_is_refused_before_training(tmp_path):
     assert checked.returncode == 0, checked.stderr[-2000:]
     assert "user.scale: passed jit, bound, state" in checked.stdout
     assert "clip.global_l2: dpbench's own" in checked.stdout
+
+
+def test_a_stage_in_the_previous_contracts_spelling_gets_one_error_naming_the_new_one(
+        tmp_path):
+    """A researcher's stage written against contract version 1 (`Stage(..., l2_bound=0.1,
+    lipschitz=1.0)`) exits 2 with one `dpbench: error:` line naming where each keyword went,
+    not a TypeError traceback from inside gin."""
+    (tmp_path / "old_stages.py").write_text(textwrap.dedent('''
+        from dpbench import ops
+        from dpbench.stages import Kind, Stage, register_stage, stateless
+
+        @register_stage("old.clip")
+        def clip() -> Stage:
+            return Stage(name="old.clip", kind_in=Kind.PER_EXAMPLE, kind_out=Kind.BOUNDED,
+                         make=stateless(lambda g, s, ctx: (ops.clip_to_l2(g, 0.1), s)),
+                         l2_bound=0.1)
+    '''))
+    (tmp_path / "old.gin").write_text(GIN.format(extra="", late="").replace(
+        "import user_stages", "import old_stages").replace("@clip.global_l2()", "@old.clip()")
+        .replace("user.scale.factor = 0.25\n", ""))
+    command = Path(sys.executable).parent / "dpbench"
+    for args in (["check", "--gin_file=old.gin"],
+                 ["train", "--gin_file=old.gin", f"--workdir={tmp_path / 'run'}"]):
+        done = run_guarded([str(command), *args], cwd=tmp_path)
+        assert done.returncode == 2, done.stderr[-2000:]
+        assert "Traceback" not in done.stderr and done.stderr.count("dpbench: error:") == 1
+        assert "l2_bound= moved to privacy=Privacy(l2_bound=...)" in done.stderr
+        assert "contract version 2" in done.stderr

@@ -106,17 +106,35 @@ def _record_fidelity(loop: _Loop, metrics, progress: Progress, done: int) -> Non
         records.append_metrics(loop.workdir, dict(step=done, **row))
 
 
+def _first_steps_note(state, done: int, start_step: int, end_step: int, times: list) -> None:
+    """After a loop's first and second steps: how long they took and the time left, so a slow
+    model on a CPU says what it is doing before its first log line. ``times`` starts as [the
+    loop's start]; each call within the first two steps adds the time its step finished."""
+    if done - start_step > 2 or done >= end_step:
+        return
+    jax.block_until_ready(state)
+    times.append(time.time())
+    if len(times) == 2:
+        logging.info("step %d done in %.1f s (compilation included)", done, times[1] - times[0])
+    else:
+        per_step = times[2] - times[1]
+        logging.info("one step takes %.2f s: about %.1f min for the %d steps left", per_step,
+                     per_step * (end_step - done) / 60, end_step - done)
+
+
 def _train_loop(loop: _Loop, state, progress: Progress, start_step: int, end_step: int):
     """Steps ``start_step .. end_step - 1`` with the periodic actions: fidelity, evaluation,
     and (at log / checkpoint steps) the divergence check, the log line and the checkpoint.
     Plain modulo tests: a periodic-actions library (clu) would add a dependency for this."""
     run, config, compiled = loop.run, loop.config, loop.run.compiled
     last_log_time, last_log_step = time.time(), start_step
+    first_times = [last_log_time]
     nonfinite_device = jnp.zeros((), jnp.float32)
     for step in range(start_step, end_step):
         state, metrics = compiled.step(state, run.host_batch(step))
         nonfinite_device = nonfinite_device + metrics["nonfinite_examples"]
         done = step + 1
+        _first_steps_note(state, done, start_step, end_step, first_times)
         _record_fidelity(loop, metrics, progress, done)
         _maybe_evaluate(loop, state, progress, done, end_step)
         log_now = done % config.log_every_steps == 0 or done == end_step

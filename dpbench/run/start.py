@@ -36,6 +36,11 @@ CHECKPOINTS = records.CHECKPOINTS_DIR
 SUPERSEDED = records.SUPERSEDED_DIR
 
 
+def saved_steps(workdir: Path) -> list:
+    """The steps of the whole checkpoints in ``workdir``, read from its files alone."""
+    return checkpoint.manifested_steps(Path(workdir) / CHECKPOINTS)
+
+
 def prepare_workdir(workdir: Path, overwrite: bool = False) -> None:
     """Refuses a finished run (or archives it under superseded/ with ``overwrite``) and checks
     that the workdir is writable, before any data is loaded."""
@@ -43,8 +48,9 @@ def prepare_workdir(workdir: Path, overwrite: bool = False) -> None:
     if record.exists():
         if not overwrite:
             raise WorkdirError(f"{record} holds a finished run; pick a new --workdir, or pass "
-                               "--overwrite to move that run into superseded/ and start again "
-                               "(finished results are never deleted)")
+                               "--overwrite (api.train: overwrite=True) to move that run into "
+                               "superseded/ and start again (finished results are never "
+                               "deleted)")
         stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%S.%fZ")
         archive = workdir / SUPERSEDED / stamp
         archive.mkdir(parents=True)

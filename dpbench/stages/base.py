@@ -220,6 +220,44 @@ class Stage:
         return (self.kind_in, self.kind_out) == (Kind.AGGREGATE, Kind.RELEASED)
 
 
+# The stage contract's version (CHANGELOG.md says what each changed). Version 2 (dpbench 0.2)
+# moved a stage's privacy facts from Stage's own keywords into one Privacy record; a stage
+# written in version 1's spelling is refused naming where each keyword went.
+CONTRACT_VERSION = 2
+_MOVED_IN_VERSION_2 = {
+    **{name: f"privacy=Privacy({name}=...)"
+       for name in ("l2_bound", "parts", "lipschitz", "cost", "one_off_release", "public_mask")},
+    "is_release": "nothing: a stage is a release exactly when it maps Kind.AGGREGATE to "
+                  "Kind.RELEASED",
+    "reads_private": "privacy=Privacy(cost=lambda facts: dp_accounting.NoOpDpEvent()) for a "
+                     "stage whose output ignores the private values",
+    "elementwise": "make(facts) returning StageFns(apply, hooks=Hooks(elementwise=f))",
+}
+
+
+class StageContractError(ValueError):
+    """A stage written against an earlier version of the stage contract."""
+
+
+def _refuse_moved_keywords(init: Callable) -> Callable:
+    def checked_init(self, *args, **kwargs):
+        moved = [name for name in _MOVED_IN_VERSION_2 if name in kwargs]
+        if moved:
+            name = kwargs.get("name", args[0] if args else "?")
+            raise StageContractError(
+                f"Stage {name!r} is written in the stage contract's version 1: " + "; ".join(
+                    f"{m}= moved to {_MOVED_IN_VERSION_2[m]}" for m in moved) +
+                f" (contract version {CONTRACT_VERSION}, dpbench 0.2; CHANGELOG.md)")
+        init(self, *args, **kwargs)
+
+    checked_init.__signature__ = inspect.signature(init)
+    checked_init.__doc__ = init.__doc__
+    return checked_init
+
+
+Stage.__init__ = _refuse_moved_keywords(Stage.__init__)
+
+
 def stateless(apply: Callable) -> Callable[[Any], StageFns]:
     """``make`` for a stage with no state and no run facts: just its ``apply``."""
     return lambda facts: StageFns(apply=apply)

@@ -259,7 +259,8 @@ def _committed_boards() -> list:
 
 
 @pytest.mark.parametrize("board_dir", _committed_boards())
-def test_the_committed_board_is_what_its_committed_records_give(tmp_path, board_dir):
+def test_the_committed_board_is_what_its_committed_records_give(tmp_path, board_dir,
+                                                                 monkeypatch):
     """The live board is regenerated, never edited by hand: rebuilding it from its committed
     records and the inputs its board.json names (in a copy of the leaderboard folder, so every
     relative path is the same) gives the same bytes. (The SVG plots are only checked to exist:
@@ -279,7 +280,19 @@ def test_the_committed_board_is_what_its_committed_records_give(tmp_path, board_
     rebuilt = copy.parent / board_dir
     for name in ("README.md", "index.html"):
         (rebuilt / name).unlink()
+    from dpbench.board import paired
+    families, holm = [], paired.apply_holm
+
+    def spy(analyses):  # a group labels its own cells, then the board relabels them all
+        holm(analyses)
+        families.append([r for a in analyses for r in a["methods"].values() if "interval" in r])
+
+    monkeypatch.setattr(paired, "apply_holm", spy)
     assert board.main([f"--records={rebuilt / 'records'}"]) == 0
+    cells = [r for family in families for r in family]
+    assert max(map(len, families)) == 28 and {id(r) for r in cells} == {
+        id(r) for r in families[-1]}  # the last family is every comparison on the board
+    assert {r["comparisons"] for r in cells} == {28}  # every printed label uses it
     committed = REPO_ROOT / board_dir
     for name in ("README.md", "index.html"):
         assert (rebuilt / name).read_text() == (committed / name).read_text(), (

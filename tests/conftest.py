@@ -126,7 +126,7 @@ def small_model(shape=(8, 8, 1), num_classes=4, name="logistic"):
 def compile_small(stage_list, *, n=64, batch_size=16, micro=8, noise_multiplier=None,
                   budget=None, total_steps=10, mesh=None, shape=(8, 8, 1), model_name="logistic",
                   padded_batch_size=None, seed=0, public_images=None, ema_decay=0.0,
-                  book_keeping=False):
+                  book_keeping=False, step_options=compiler.StepOptions()):
     """book_keeping: hand the compiler the model, so a chain it allows runs in book-keeping form
     (as real runs do); without it the per-example gradients are materialized."""
     model, loss_fn, init_params = small_model(shape, name=model_name)
@@ -138,7 +138,7 @@ def compile_small(stage_list, *, n=64, batch_size=16, micro=8, noise_multiplier=
         sampler=sampler, budget=budget, total_steps=total_steps, steps_per_epoch=4,
         noise_multiplier=noise_multiplier, public_images=public_images, num_classes=4,
         model=model if book_keeping else None), micro_batch_size=micro, mesh=mesh,
-        ema_decay=ema_decay)
+        ema_decay=ema_decay, step_options=step_options)
     return compiled, init_params, loss_fn
 
 

@@ -315,6 +315,69 @@ def test_step_on_8_fake_devices_equals_the_1_device_step():
             np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
+COMMUNICATION_SCRIPT = textwrap.dedent("""
+    import json, re, sys
+    import jax, numpy as np
+    from jax.sharding import Mesh
+    sys.path.insert(0, {root!r})
+    from dpbench import compiler, stages
+    from dpbench.compiler import pipeline
+    from tests.conftest import compile_small, dpsgd_stages, make_batch, random_data
+    mesh, shape, out = Mesh(np.asarray(jax.devices()), ("data",)), (16, 16, 1), {{}}
+
+    def collectives(model, augmult, conv_grads="patches"):
+        chain = dpsgd_stages()
+        chain[0] = stages.grad.per_example(
+            augmult=augmult, augmentation="crop_flip" if augmult > 1 else "none")
+        compiled, init_params, _ = compile_small(
+            chain, n=256, batch_size=64, micro=32, noise_multiplier=1.0, mesh=mesh,
+            model_name=model, book_keeping=True, shape=shape,
+            step_options=compiler.StepOptions(conv_grads=conv_grads))
+        images, labels = random_data(256, shape=shape, seed=4)
+        state = compiled.init_state(init_params(jax.random.key(0)), jax.random.key(9))
+        b = compiled.sampler.sample(0)
+        batch = make_batch(compiled, images, labels, b.indices, b.mask, step=0)
+        text = compiled.step.lower(state, batch).compile().as_text()
+        found = re.findall(r"= (\\S+) (all-gather|all-reduce|all-to-all)\\(", text)
+        return dict(strategy=compiled.plan.strategy, gathered=[s for s, k in found if k != "all-reduce"],
+                    reduced=[s for s, k in found if k == "all-reduce"])
+
+    for name, model, augmult in (("tanh_cnn", "tanh_cnn", 1), ("tanh_cnn_augmult", "tanh_cnn", 2),
+                                 ("mlp", "mlp", 1)):
+        out[name] = collectives(model, augmult)
+    try:
+        collectives("tanh_cnn", 2, "convolution")
+    except ValueError as e:
+        out["refused"] = str(e)
+    pipeline._check_options = lambda options, mesh: None  # the knob it refuses, measured
+    out["convolution"] = collectives("tanh_cnn", 2, "convolution")
+    print("RESULT" + json.dumps(out))
+""")
+
+
+def test_the_sharded_step_gathers_no_batch_and_refuses_the_knob_that_would():
+    """On 8 fake CPU devices, the compiled step of the tanh CNN (with and without augmentation
+    multiplicity) and of an MLP, book-keeping as real runs use it, holds no all-gather (nor
+    all-to-all): each device keeps its shard of the batch and the clipped sums are all-reduced.
+    train.conv_grads = 'convolution' (its per-example kernels by a vmapped, i.e. grouped,
+    weight-gradient convolution) makes XLA all-gather the micro-batch's images onto every
+    device (measured below, and openxla's issue 47945 on GPUs), so a mesh of more than one
+    device refuses it, saying why."""
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
+               JAX_PLATFORMS="cpu")
+    proc = run_guarded([sys.executable, "-c", COMMUNICATION_SCRIPT.format(root=str(REPO_ROOT))],
+                       env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.split("RESULT", 1)[1])
+    for name in ("tanh_cnn", "tanh_cnn_augmult", "mlp"):
+        assert out[name]["strategy"] == "bookkeeping", name
+        assert out[name]["gathered"] == [], (name, out[name]["gathered"])
+        assert out[name]["reduced"], name  # the sums are reduced, not gathered
+    assert "all-gathers the batch" in out["refused"] and "'patches'" in out["refused"]
+    # the check can fail: the refused knob's step gathers the micro-batch's 64 augmented images
+    assert "f32[64,16,16,1]" in " ".join(out["convolution"]["gathered"])
+
+
 def test_nonfinite_per_example_gradient_is_zeroed_at_the_clip_and_counted():
     """One example with a NaN pixel: its gradient is replaced by zeros (norm 0 <= C), so the
     update equals the update of the batch without it, and the step reports one such example."""

@@ -121,6 +121,16 @@ def _check_sizes(total_steps, ema_decay, micro_batch_size, mesh, padded) -> int:
     return padded // micro_batch_size
 
 
+def _check_options(options: StepOptions, mesh: Mesh) -> None:
+    """Refuses a speed knob that would make a sharded step gather the batch."""
+    if options.conv_grads == "convolution" and mesh.devices.size > 1:
+        raise ValueError(
+            f"train.conv_grads = 'convolution' on {mesh.devices.size} devices: XLA all-gathers "
+            "the batch for the per-example weight-gradient convolution (a grouped convolution) "
+            "and recomputes it on every device (tests/test_compiler.py measures it on 8 CPU "
+            "devices); keep the default 'patches' on more than one device")
+
+
 def _batch_shapes(plan: Plan, micro_steps: int, micro_batch_size: int, example_shape) -> dict:
     shape = (micro_steps, micro_batch_size)
     shapes = {"image": jax.ShapeDtypeStruct(shape + tuple(example_shape), jnp.float32),
@@ -164,6 +174,7 @@ def compile_pipeline(stages: Sequence[Stage] | ValidatedPipeline, inputs: RunInp
     mesh = sharding.make_mesh() if mesh is None else mesh
     sharding.limit_lapack_threads()
     validated = as_validated(stages)  # rule errors before any size error
+    _check_options(step_options, mesh)
     sampler = inputs.sampler
     micro_steps = _check_sizes(inputs.total_steps, ema_decay, micro_batch_size, mesh,
                                sampler.padded_batch_size)

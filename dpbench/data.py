@@ -204,6 +204,11 @@ def register_dataset(name: str, load) -> None:
     _LOADERS[name] = load
 
 
+def dataset_loader(name: str):
+    """The load function registered under ``name`` (KeyError if none)."""
+    return _LOADERS[name]
+
+
 def registered_datasets() -> tuple:
     return tuple(sorted(_LOADERS))
 

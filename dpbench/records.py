@@ -127,6 +127,19 @@ def tree_sha256(tree) -> str:
     return digest.hexdigest()
 
 
+def outside_source(obj) -> dict | None:
+    """Where a registered function or class that is not dpbench's own was defined: its module,
+    that module's file and the file's sha256 (code outside the repository, which the record's
+    git commit does not pin); None for dpbench's own."""
+    import inspect  # here: records is otherwise a module of plain files
+    module = inspect.getmodule(inspect.unwrap(obj))
+    if module is None or module.__name__.split(".")[0] == "dpbench":
+        return None
+    path = Path(inspect.getsourcefile(module) or module.__file__).resolve()
+    return dict(module=module.__name__, path=str(path),
+                sha256=hashlib.sha256(path.read_bytes()).hexdigest())
+
+
 def git_dirty(root: Path | None = None) -> bool | None:
     """Whether dpbench's checkout (or ``root``) has uncommitted changes to tracked files (None
     outside git): a dirty tree's records are not reproduced by their git_commit alone."""
@@ -188,7 +201,8 @@ def privacy_statement(*, epsilon: float, delta: float, mechanisms: list, sampler
                       steps: int, accountant: str, accountant_version: str,
                       accountant_settings: dict, accounting_note: str,
                       not_covered: list, inputs: list = (), outside_stages: list = (),
-                      seed_secret: bool = False, timing_protected: bool = False) -> dict:
+                      outside_code: list = (), seed_secret: bool = False,
+                      timing_protected: bool = False) -> dict:
     """The claim a run makes, generated from its privacy ledger.
 
     ``mechanisms`` are the ledger's lines as plain dicts (``mechanism_fields``): the statement
@@ -200,6 +214,9 @@ def privacy_statement(*, epsilon: float, delta: float, mechanisms: list, sampler
     normalization) and why it costs nothing; ``outside_stages`` lists the stages that are not
     dpbench's own (``compiler.check.stage_sources`` with the checks they passed): the epsilon
     rests on their declarations, which dpbench checks on synthetic data but cannot prove;
+    ``outside_code`` lists the run's dataset and model when they are not dpbench's own
+    ({"kind", "name"} and ``outside_source``'s module, path and sha256): what the run trained
+    on and with, pinned by file hash where the git commit cannot;
     ``seed_secret``: the run drew its seed from OS entropy and wrote it nowhere
     (``train.seed = None``); ``timing_protected``: the step has no data-dependent
     conditional, so its running time does not depend on the realized batch.
@@ -227,6 +244,10 @@ def privacy_statement(*, epsilon: float, delta: float, mechanisms: list, sampler
             f"synthetic data: {', '.join(s.get('checks_passed', [])) or 'no check'})"
             for s in outside_stages) + "; this epsilon holds only if their declared privacy "
             "facts hold, which those checks test but do not prove.")
+    if outside_code:
+        text += (" Code from outside dpbench: " + "; ".join(
+            f"{c['kind']} {c['name']} (module {c['module']}, file sha256 {c['sha256'][:12]})"
+            for c in outside_code) + ".")
     if not poisson:
         text += (" WARNING: batches were shuffled fixed-size batches; the epsilon above is the "
                  "Poisson-sampling epsilon and does NOT hold for this run.")
@@ -241,4 +262,4 @@ def privacy_statement(*, epsilon: float, delta: float, mechanisms: list, sampler
                 truncated_poisson=sampler.get("truncated", False),
                 mechanisms=list(mechanisms), not_covered=list(not_covered),
                 inputs=list(inputs), outside_stages=list(outside_stages),
-                seed_secret=seed_secret, timing_protected=timing_protected, statement=text)
+                outside_code=list(outside_code), seed_secret=seed_secret, timing_protected=timing_protected, statement=text)

@@ -293,9 +293,10 @@ def house(folders=("dpbench", "benchmarks", "tools")) -> tuple:
     return rooms, edges, max(level(r) for r in rooms)
 
 
-def test_the_house_has_at_most_7_layers_and_86_import_edges_between_rooms():
+def test_the_house_has_at_most_7_layers_and_87_import_edges_between_rooms():
     """The house's shape, held where it stands (27 rooms): a change that adds a layer or an
     edge between rooms raises the bound here and says why. 86: api -> cli_args (api.train
-    shows the run's progress as the command does)."""
+    shows the run's progress as the command does); 87: compiler -> records (one
+    records.outside_source pins a user's stages, dataset and model alike)."""
     rooms, edges, layers = house()
-    assert layers <= 7 and len(edges) <= 86, (len(rooms), len(edges), layers)
+    assert layers <= 7 and len(edges) <= 87, (len(rooms), len(edges), layers)

@@ -3,6 +3,7 @@ DP-SGD on Fashion-MNIST padded to 32x32 by book-keeping (the same clipped sum as
 and a model from a folder outside the repository trains from its own gin file and is listed by
 `dpbench train --help`."""
 
+import hashlib
 import json
 import sys
 import textwrap
@@ -255,3 +256,10 @@ def test_a_model_and_a_dataset_from_the_users_own_folder_train_and_are_listed(tm
     assert record["dataset_size"] == 500 and record["epsilon"] <= record["target_epsilon"]
     assert "tiny.hidden = 12" in (tmp_path / "run" / "operative_config.gin").read_text()
     assert not (REPO_ROOT / "my_models.py").exists()
+    # the code it trained on and with, outside the repository, pinned by file hash
+    digest = hashlib.sha256((tmp_path / "my_models.py").read_bytes()).hexdigest()
+    assert [(c["kind"], c["name"], c["module"], c["sha256"]) for c in record["outside_code"]] \
+        == [("dataset", "blobs", "my_models", digest), ("model", "tiny", "my_models", digest)]
+    statement = record["privacy_statement"]
+    assert statement["outside_code"] == record["outside_code"]
+    assert f"dataset blobs (module my_models, file sha256 {digest[:12]})" in statement["statement"]

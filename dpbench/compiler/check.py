@@ -31,8 +31,6 @@ twins that must fail them.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -40,7 +38,7 @@ import numpy as np
 import optax
 from dp_accounting import dp_event
 
-from dpbench import accounting, models, sampling, stages
+from dpbench import accounting, models, records, sampling, stages
 from dpbench.compiler.facts import RunInputs
 from dpbench.compiler.pipeline import compile_pipeline
 from dpbench.stages.base import Kind as K
@@ -339,16 +337,11 @@ def stage_sources(stage_names) -> list:
     """Provenance of every stage of a run that is not one of dpbench's own: its registered
     name, the module that defines it, that module's file and the file's sha256 (a user's stage
     lives outside the repo, so the git commit does not pin it)."""
-    import inspect
-
     out = []
     for name in dict.fromkeys(stage_names):
-        module = inspect.getmodule(inspect.unwrap(stages.base.registered_stage(name)))
-        if module is None or module.__name__.split(".")[0] == "dpbench":
-            continue
-        path = Path(inspect.getsourcefile(module) or module.__file__).resolve()
-        out.append(dict(stage=name, module=module.__name__, path=str(path),
-                        sha256=hashlib.sha256(path.read_bytes()).hexdigest()))
+        source = records.outside_source(stages.base.registered_stage(name))
+        if source is not None:
+            out.append(dict(stage=name, **source))
     return out
 
 

@@ -8,7 +8,7 @@ from typing import Optional
 
 import numpy as np
 
-from dpbench import accounting, numerics, records
+from dpbench import accounting, data, models, numerics, records
 from dpbench.compiler import check as stage_check
 from dpbench.config import TrainConfig
 from dpbench.run.settings import Settings
@@ -24,6 +24,7 @@ def run_record(settings: Settings, run, config: TrainConfig, state, progress, *,
     steady = progress.interval_step_s[1:] or progress.interval_step_s  # first holds compile
     sources = [dict(source, checks_passed=verified[source["stage"]])  # what dpbench verified
                for source in stage_check.stage_sources(s.name for s in compiled.plan.stages)]
+    code = outside_code(settings)
     return dict(
         settings.as_json(), gin_files=list(gin_files), epsilon=epsilon, steps=end_step,
         stop_reason=stop_reason, per_example_strategy=compiled.plan.strategy,
@@ -39,16 +40,26 @@ def run_record(settings: Settings, run, config: TrainConfig, state, progress, *,
         settings_sha256=settings.digest(), calibration_s=run.compile_s,
         median_step_s=float(np.median(steady)) if steady else None,
         versions=records.versions(), git_commit=records.git_commit(),
-        git_dirty=records.git_dirty(), stage_sources=sources,
+        git_dirty=records.git_dirty(), stage_sources=sources, outside_code=code,
         devices=[str(d) for d in run.mesh.devices.flat],
         privacy_statement=privacy_statement(settings, run, end_step, epsilon, sources,
-                                            diagnostics=bool(config.fidelity_every_steps)),
+                                            diagnostics=bool(config.fidelity_every_steps),
+                                            code=code),
         non_private_outputs=["train_loss, update_norm and nonfinite_examples in metrics.jsonl "
                              "are diagnostics computed from private batches; they are not "
                              "released by the accounted mechanism"] + (
             ["fidelity (fidelity_cosine, noise_to_signal) compares the release with the clean "
              "clipped gradient: non-private benchmark output"]
             if config.fidelity_every_steps else []))
+
+
+def outside_code(settings: Settings) -> list:
+    """The run's dataset and model where they are not dpbench's own: each registered
+    function's module, file and sha256 (records.outside_source)."""
+    registered = (("dataset", settings.dataset, data.dataset_loader(settings.dataset)),
+                  ("model", settings.model, models.model_spec(settings.model).build))
+    return [dict(kind=kind, name=name, **source) for kind, name, obj in registered
+            if (source := records.outside_source(obj)) is not None]
 
 
 def not_covered(settings: Settings, diagnostics: bool = False) -> list:
@@ -97,7 +108,8 @@ def not_covered(settings: Settings, diagnostics: bool = False) -> list:
 
 
 def privacy_statement(settings: Settings, run, end_step: int, epsilon: float,
-                      outside_stages: list = (), diagnostics: bool = False) -> dict:
+                      outside_stages: list = (), diagnostics: bool = False,
+                      code: list = ()) -> dict:
     """The statement of a run with these settings after ``end_step`` steps, from the compiled
     pipeline's ledger (records.privacy_statement words it)."""
     compiled, budget = run.compiled, settings.budget()
@@ -110,7 +122,7 @@ def privacy_statement(settings: Settings, run, end_step: int, epsilon: float,
         accountant_settings=accounting.accountant_settings(budget),
         accounting_note=accounting.accounting_note(compiled.run_event(end_step), budget),
         not_covered=not_covered(settings, diagnostics), inputs=list(run.inputs),
-        outside_stages=outside_stages, seed_secret=settings.seed is None,
+        outside_stages=outside_stages, outside_code=code, seed_secret=settings.seed is None,
         timing_protected=settings.branch_free_step)
 
 

@@ -23,7 +23,7 @@ import flax.linen as nn
 import gin
 import jax.numpy as jnp
 
-from dpbench import models
+from dpbench.models import layers, registry
 
 SIZE = 32  # the input side the network is built for
 
@@ -47,8 +47,8 @@ class WideResNetKnobs:
         if self.width < 1 or self.groups < 1 or 16 % self.groups:
             raise ValueError(f"wrn.width must be >= 1 and wrn.groups must divide the stem's 16 "
                              f"channels, got width {self.width}, groups {self.groups}")
-        if self.activation not in models.ACTIVATIONS:
-            raise ValueError(f"wrn.activation must be one of {sorted(models.ACTIVATIONS)}, "
+        if self.activation not in layers.ACTIVATIONS:
+            raise ValueError(f"wrn.activation must be one of {sorted(layers.ACTIVATIONS)}, "
                              f"got {self.activation!r}")
         if self.size < 8:
             raise ValueError(f"wrn.size must be >= 8 (two stride-2 stages), got {self.size}")
@@ -64,7 +64,7 @@ class WideResNet(nn.Module):
 
     @nn.compact
     def __call__(self, x):
-        act = models.ACTIVATIONS[self.activation]
+        act = layers.ACTIVATIONS[self.activation]
         height, width, size = x.shape[-3], x.shape[-2], self.size
         if height > size or width > size:
             raise ValueError(f"model 'wrn' takes images of at most {size}x{size} pixels, got "
@@ -110,4 +110,4 @@ def describe_inputs(knobs: dict) -> list:
                  why="fixed maps of each example alone: no privacy cost")]
 
 
-models.register_model("wrn", build, features="pixels", describe_inputs=describe_inputs)
+registry.register_model("wrn", build, features="pixels", describe_inputs=describe_inputs)

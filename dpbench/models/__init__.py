@@ -1,7 +1,8 @@
-"""Models (flax.linen): a registry beside one module per model family, and the losses.
+"""Models (flax.linen): a registry beside one module per model family, one knob system.
 
 - ``registry``: ``register_model``, ``registered_models``, ``model_spec``, ``make_model`` and
-  ``ModelConfig``, the gin ``model`` configurable (the ``model.*`` knobs).
+  ``ModelConfig``, the gin ``model`` configurable: the ``model.*`` knobs, the one knob system
+  of dpbench's own models.
 - ``layers``: image patches, ``PatchConv``, the 2x2 max pool, the per-example input GroupNorm.
 - ``losses``: the per-example loss, ``logits_loss``, ``through_a_dot``, ``accuracy``.
 - The models, each registering itself as a user's plug-in would: ``tanh_cnn`` (``tanh_cnn``),
@@ -23,7 +24,7 @@ from dpbench.models.scatter import ScatterCNN, ScatterLinear
 from dpbench.models.tanh_cnn import TanhCNN
 from dpbench.models.wide_resnet import WideResNet
 
-# dpbench's own models read model.* (wide_resnet's ``wrn`` reads its own ``wrn.*`` knobs)
+# dpbench's own models built from model.* defaults alone (``wrn`` needs model.group_norm_groups)
 MODELS = ("tanh_cnn", "mlp", "logistic", "scatter_linear", "scatter_cnn")
 # The features (dataset.features) a built-in model needs when not pixels (mlp, logistic: any).
 REQUIRED_FEATURES = {"scatter_linear": "scattering", "scatter_cnn": "scattering"}

@@ -4,8 +4,9 @@ Every model registers itself with ``register_model(name, build, ...)``, dpbench'
 module per family in this package) and a user's plug-in alike; ``model.name = '<name>'`` then
 builds it. ``build(num_classes, knobs, linearized)`` returns the flax module: ``knobs`` are
 ``ModelConfig``'s fields as a dict (the gin ``model.*`` knobs), ``linearized`` asks for the
-SynFlow twin (same parameters; ``knobs['activation']`` is then ``'identity'``). A plug-in's
-own knobs are gin configurables of its own module (the wide ResNet's: ``wrn``).
+SynFlow twin (same parameters; ``knobs['activation']`` is then ``'identity'``). dpbench's own
+models read their knobs from ``model.*`` only; a plug-in model may also keep knobs of its own,
+a gin configurable of its own module.
 """
 
 from __future__ import annotations
@@ -61,7 +62,8 @@ def model_spec(name: str) -> ModelSpec:
 def make_model(num_classes: int, name: str, activation: str = "tanh",
                hidden: Sequence[int] = (256,), group_norm_groups: int = 0,
                conv_impl: str = "patches", center_inputs: bool = True,
-               input_norm_groups: int = 27, linearized: bool = False) -> nn.Module:
+               input_norm_groups: int = 27, depth: int = 16, width: int = 4,
+               input_size: int = 32, linearized: bool = False) -> nn.Module:
     """Builds the registered model ``name`` from these knobs (ModelConfig's); raises ValueError
     naming the known models. ``linearized`` builds its twin for SynFlow (same parameters):
     identity activations, no input normalization."""
@@ -72,7 +74,8 @@ def make_model(num_classes: int, name: str, activation: str = "tanh",
                          f"got {activation!r}")
     knobs = dict(activation=activation, hidden=tuple(hidden),
                  group_norm_groups=group_norm_groups, conv_impl=conv_impl,
-                 center_inputs=center_inputs, input_norm_groups=input_norm_groups)
+                 center_inputs=center_inputs, input_norm_groups=input_norm_groups,
+                 depth=depth, width=width, input_size=input_size)
     return model_spec(name).build(num_classes, knobs, linearized)
 
 
@@ -86,10 +89,13 @@ class ModelConfig:
     name: str = gin.REQUIRED
     activation: str = "tanh"
     hidden: Sequence[int] = (256,)  # mlp: the hidden layers' widths
-    group_norm_groups: int = 0  # tanh_cnn: 0 is no GroupNorm
+    group_norm_groups: int = 0  # tanh_cnn: 0 is no GroupNorm; wrn: required (16 in its gin)
     conv_impl: str = "patches"
     center_inputs: bool = True
     input_norm_groups: int = 27  # scatter models: GroupNorm groups over the feature channels
+    depth: int = 16  # wrn: 6 n + 4 (n blocks per stage)
+    width: int = 4  # wrn: the channel multiplier
+    input_size: int = 32  # wrn: the side inputs are zero-padded to
 
     def build(self, num_classes: int) -> nn.Module:
         return make_model(num_classes, **dataclasses.asdict(self))

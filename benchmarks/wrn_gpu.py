@@ -145,7 +145,7 @@ def main(argv=None) -> int:
     parser.add_argument("--settings", nargs="+", default=None,
                         help="B,augmult,micro-batch triples (default: 256,16,32 1024,1,128)")
     parser.add_argument("--binding", action="append", default=[],
-                        help="extra gin bindings, e.g. 'wrn.depth = 10' for a CPU smoke run")
+                        help="extra gin bindings, e.g. 'model.depth = 10' for a CPU smoke run")
     parser.add_argument("--materialized_too", action="store_true",
                         help="also time the DP-SGD step with book-keeping turned off")
     parser.add_argument("--also", action="append", default=[],

@@ -46,6 +46,7 @@ from dpbench import accounting, cli_args, config, data, models, records, samplin
 from dpbench.compiler.facts import RunInputs
 from dpbench.compiler.pipeline import compile_pipeline
 from dpbench.compiler.rules import PipelineError
+from dpbench.models import losses
 from dpbench.stages.base import Stage
 
 AUDIT_BINDINGS = (
@@ -230,7 +231,7 @@ def run_audit(stages: Sequence[Stage], *, claimed_epsilon: float = 3.0, delta: f
     start = time.time()
     canary = _canary_problem(num_public, num_real, seed, canary_scale)
     shape, n = canary.images.shape[1:], len(canary.labels)  # the canary is example n - 1
-    loss_fn = models.cross_entropy_loss(canary.model)
+    loss_fn = losses.cross_entropy_loss(canary.model)
     sampler = sampling.PoissonSampler(n, n, seed=seed, pad_multiple=micro_batch_size)
     inputs = RunInputs(
         loss_fn=loss_fn, example_shape=shape, sampler=sampler,

@@ -23,7 +23,7 @@ from typing import Optional, Sequence
 import gin
 
 # Imported for their gin configurables (budget, dataset, model, sampler, the stages).
-from dpbench import accounting, data, models, sampling, wide_resnet  # noqa: F401
+from dpbench import accounting, data, models, sampling  # noqa: F401
 import dpbench.stages  # noqa: F401
 from dpbench.stages.base import Stage, registered_stage_names
 

@@ -39,26 +39,23 @@ def _wrn_param_count(depth: int, width: int, classes: int = 10, channels: int = 
     return count + 2 * c_in + c_in * classes + classes  # the final norm and the head
 
 
-@pytest.fixture
-def wrn_knobs():
-    def bind(depth, width, more=""):
-        gin.clear_config()
-        gin.parse_config(f"wrn.depth = {depth}\nwrn.width = {width}\n{more}")
-    yield bind
-    gin.clear_config()
+def _wrn(depth: int, width: int, group_norm_groups: int = 16, activation: str = "relu",
+         **knobs):
+    """WRN-depth-width from model.* knobs (gin/model/wrn16_4.gin's GroupNorm and activation
+    by default)."""
+    return models.make_model(10, name="wrn", depth=depth, width=width,
+                             group_norm_groups=group_norm_groups, activation=activation, **knobs)
 
 
-def test_wrn_16_4_has_the_reference_size_and_treats_each_example_alone(wrn_knobs):
+def test_wrn_16_4_has_the_reference_size_and_treats_each_example_alone():
     """2.7M parameters (De et al.'s WRN-16-4); 28x28 inputs are the same as the 32x32 ones
     padded with zeros at the centre; GroupNorm normalizes each example alone (a batch gives
     each example's own logits)."""
-    wrn_knobs(16, 4)
-    model = models.make_model(10, name="wrn")
+    model = _wrn(16, 4)
     shapes = jax.eval_shape(model.init, jax.random.key(0), jnp.zeros((1, 28, 28, 1)))
     count = sum(x.size for x in jax.tree.leaves(shapes))  # shapes only: no initialisation
     assert count == _wrn_param_count(16, 4) and 2.7e6 < count < 2.8e6
-    wrn_knobs(10, 1)
-    model = models.make_model(10, name="wrn")
+    model = _wrn(10, 1)
     params = model.init(jax.random.key(0), jnp.zeros((1, 28, 28, 1)))
     assert sum(x.size for x in jax.tree.leaves(params)) == _wrn_param_count(10, 1)
     x = jnp.asarray(np.random.default_rng().uniform(size=(4, 28, 28, 1)), jnp.float32)
@@ -66,12 +63,33 @@ def test_wrn_16_4_has_the_reference_size_and_treats_each_example_alone(wrn_knobs
     np.testing.assert_allclose(model.apply(params, x), model.apply(params, padded), atol=1e-5)
     single = jnp.concatenate([model.apply(params, x[i:i + 1]) for i in range(4)])
     np.testing.assert_allclose(model.apply(params, x), single, atol=1e-4)
-    with pytest.raises(ValueError, match="wrn.depth must be 6 n \\+ 4"):
-        gin.parse_config("wrn.depth = 12")
-        models.make_model(10, name="wrn")
 
 
-def test_dp_sgd_on_wrn_16_4_takes_two_steps_on_fashion_mnist_by_bookkeeping(wrn_knobs):
+def test_wrn_reads_model_knobs_and_its_errors_name_the_knob_to_change():
+    """The WRN's knobs are model.* (no configurable of its own): gin/model/wrn16_4.gin builds
+    WRN-16-4 from them, and each knob it cannot take is refused naming that knob, the
+    default model.group_norm_groups = 0 (no GroupNorm) included."""
+    gin.parse_config_file(str(REPO_ROOT / "gin/model/wrn16_4.gin"))
+    model = models.ModelConfig().build(10)
+    assert (model.depth, model.width, model.groups, model.activation, model.size) == (
+        16, 4, 16, "relu", 32)
+    for knobs, match in [(dict(depth=12), "model.depth must be 6 n \\+ 4"),
+                         (dict(depth=4), "model.depth must be 6 n \\+ 4"),
+                         (dict(width=0), "model.width must be >= 1"),
+                         (dict(group_norm_groups=0), "bind model.group_norm_groups"),
+                         (dict(group_norm_groups=3), "model.group_norm_groups must divide"),
+                         (dict(input_size=4), "model.input_size must be >= 8"),
+                         (dict(activation="gelu"), "model.activation must be one of")]:
+        with pytest.raises(ValueError, match=match):
+            _wrn(**{"depth": 10, "width": 1, **knobs})
+    with pytest.raises(ValueError, match="model.input_size = 16"):
+        model = _wrn(10, 1, input_size=16)
+        model.init(jax.random.key(0), jnp.zeros((1, 28, 28, 1)))
+    with pytest.raises(ValueError, match="No configurable matching 'wrn'"):
+        gin.parse_config("wrn.depth = 10")
+
+
+def test_dp_sgd_on_wrn_16_4_takes_two_steps_on_fashion_mnist_by_bookkeeping():
     """DP-SGD on WRN-16-4 x Fashion-MNIST-32 (gin/model/wrn16_4.gin): it compiles on CPU,
     takes two steps with a finite loss by book-keeping (every parameter in a tap layer, so no
     reason to give), and its privacy statement's inputs state the padding."""
@@ -101,7 +119,7 @@ def _wrn_compiled(chain, with_model: bool, shape, model, step_options=None):
         step_options=step_options or compiler.StepOptions())
 
 
-def test_bookkeeping_gives_the_wrns_clipped_sum_with_augmentation(wrn_knobs):
+def test_bookkeeping_gives_the_wrns_clipped_sum_with_augmentation():
     """WRN-10-1 at 16x16 (every layer kind of WRN-16-4: 3x3, strided 3x3 and strided 1x1
     convolutions, GroupNorm's scale and bias, the dense head) with augmentation multiplicity 2:
     book-keeping's clipped sum equals the materialized vmap(grad) one within float32 rounding,
@@ -109,8 +127,7 @@ def test_bookkeeping_gives_the_wrns_clipped_sum_with_augmentation(wrn_knobs):
     image, zeroed and counted by both; one scaled by 1e3; an all-zero one) and RS's public mask
     on every parameter, scales and biases included (tests/test_bookkeeping.py checks each
     path's norms, unmasked, masked and transformed, on a net of the same layer kinds)."""
-    wrn_knobs(10, 1, "wrn.size = 16\nwrn.groups = 4")
-    model, shape = models.make_model(10, name="wrn"), (12, 12, 1)
+    model, shape = _wrn(10, 1, input_size=16, group_norm_groups=4), (12, 12, 1)
     chain = [stages.grad.per_example(augmult=2, augmentation="crop_flip", crop_padding=2),
              stages.sparsify.random_mask(final_rate=0.5, cooling="none"),
              stages.clip.global_l2(0.05), stages.noise.gaussian(),
@@ -146,8 +163,7 @@ def test_bookkeeping_gives_the_wrns_clipped_sum_with_augmentation(wrn_knobs):
 
 
 @pytest.mark.parametrize("name,masked", [("wrn", True), ("tanh_cnn", False)])
-def test_conv_grads_by_convolution_give_the_same_clipped_sum(wrn_knobs, name, masked,
-                                                             monkeypatch):
+def test_conv_grads_by_convolution_give_the_same_clipped_sum(name, masked, monkeypatch):
     """conv_grads 'convolution' (each example's convolution kernel gradient by XLA's
     convolution of the input with the output gradient, no image patches): book-keeping's
     clipped sum of one micro-batch equals the patches' on WRN-10-1 (3x3, strided 3x3 and
@@ -155,8 +171,8 @@ def test_conv_grads_by_convolution_give_the_same_clipped_sum(wrn_knobs, name, ma
     example as 2 copies, with adversarial examples (a NaN image, zeroed and counted by both;
     one scaled by 1e3; an all-zero one). tests/test_bookkeeping.py runs the option through
     compile_pipeline."""
-    wrn_knobs(10, 1, "wrn.size = 16\nwrn.groups = 4")
-    model = models.make_model(10, name=name)
+    model = _wrn(10, 1, input_size=16, group_norm_groups=4) if name == "wrn" else \
+        models.make_model(10, name=name)
     shape = (12, 12, 1) if name == "wrn" else (28, 28, 1)
     params = model.init(jax.random.key(1), jnp.zeros((1,) + shape))
     taps = discover_taps(model, jax.eval_shape(lambda: params), shape)

@@ -77,12 +77,12 @@ set_args() {  # the harness flags of one SET, into ARGS and PIPES (its pipelines
   TRAIN_ARGS=()
   if [ -n "${SMOKE:-}" ]; then  # later flags win: the same rows at test size
     case "$1" in
-      wrn*) BATCH=16 MICRO=8 ARGS+=(--bindings=wrn.depth=10 --bindings=wrn.width=1
+      wrn*) BATCH=16 MICRO=8 ARGS+=(--bindings=model.depth=10 --bindings=model.width=1
                                     "--bindings=grad.per_example.augmult=2");;
       *) BATCH=256 MICRO=64;;
     esac
     [[ "$1" == mlp4096* ]] && ARGS+=("--bindings=model.hidden=(32,32)")
-    TRAIN_ARGS=("--gin_bindings=wrn.depth = 10" "--gin_bindings=wrn.width = 1"
+    TRAIN_ARGS=("--gin_bindings=model.depth = 10" "--gin_bindings=model.width = 1"
                 "--gin_bindings=train.batch_size = 16" "--gin_bindings=train.micro_batch_size = 8"
                 "--gin_bindings=train.epochs = 0.01")
   fi

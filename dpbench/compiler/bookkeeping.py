@@ -35,7 +35,7 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 
-from dpbench import models
+from dpbench.models import losses as model_losses
 from dpbench.compiler.taps import AFFINE, Tap, forward, leaf_at as _get, untapped_parameters
 from dpbench.stages.base import Kind, Mask
 
@@ -119,7 +119,7 @@ def layer_grads_fn(model, taps: tuple):
         grads = {}
         for t in taps:
             a = inputs[t.path].reshape(b, t.positions, t.inputs)
-            a = models.through_a_dot(a) if t.positions == 1 else a
+            a = model_losses.through_a_dot(a) if t.positions == 1 else a
             delta = deltas[t.path].reshape(b, t.positions, t.outputs)
             _set(grads, t.path, _per_example_leaves(t, a, delta))
         return grads, losses
@@ -227,7 +227,7 @@ def _output_gradients(model, taps: tuple, params, images, labels, mask, copies: 
 
     def total_loss(perturbations):
         logits, inputs = forward(model, params, images, perturbations, raw_convs=raw_convs)
-        losses = models.logits_loss(logits, labels)
+        losses = model_losses.logits_loss(logits, labels)
         if copies > 1:
             losses = losses.reshape(-1, copies).mean(axis=1)
         return jnp.sum(jnp.where(mask, losses, 0.0)), (inputs, losses)
@@ -329,7 +329,7 @@ def _transformed_sum(taps, params, inputs, deltas, losses, mask, l2_bound: float
     grads = {}
     for t in taps:
         a, delta = _example_rows(inputs, deltas, t, b)
-        a = models.through_a_dot(a) if t.positions == 1 else a  # Nasr: 0.75x
+        a = model_losses.through_a_dot(a) if t.positions == 1 else a  # Nasr: 0.75x
         leaves = _per_example_leaves(t, a, delta, outputs_first=elementwise)
         if t.kind != AFFINE and not elementwise:
             leaves["kernel"] = leaves["kernel"].reshape(

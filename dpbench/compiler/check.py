@@ -41,6 +41,7 @@ from dp_accounting import dp_event
 from dpbench import accounting, models, records, sampling, stages
 from dpbench.compiler.facts import RunInputs
 from dpbench.compiler.pipeline import compile_pipeline
+from dpbench.models import losses
 from dpbench.stages.base import Kind as K
 
 SHAPE, CLASSES, N, BATCH, MICRO = (8, 8, 1), 4, 32, 8, 8
@@ -101,7 +102,7 @@ def compile_small(stage_list, with_model: bool = True):
     sampler = sampling.PoissonSampler(N, BATCH, seed=0, pad_multiple=MICRO)
     public = np.random.default_rng(1).uniform(size=(512,) + SHAPE).astype(np.float32)
     inputs = RunInputs(
-        loss_fn=models.cross_entropy_loss(model),
+        loss_fn=losses.cross_entropy_loss(model),
         init_params=lambda key: model.init(key, jnp.zeros((1,) + SHAPE)), example_shape=SHAPE,
         # PLD: at this harness's q = 0.25 dp_accounting's RDP logs ~60 warnings about its
         # fractional orders for every checked stage (and PLD calibrates faster here)

@@ -30,7 +30,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from dpbench import models
+from dpbench.models import layers
 
 MATMUL, AFFINE = "matmul", "affine"
 LEAVES = {MATMUL: ("kernel", "bias"), AFFINE: ("scale", "bias")}
@@ -81,7 +81,7 @@ def _strides(module) -> tuple:
 
 def kind_of(module) -> Optional[str]:
     """The tap kind of a module, None when book-keeping does not tap it."""
-    if isinstance(module, (nn.Dense, models.PatchConv)) or (
+    if isinstance(module, (nn.Dense, layers.PatchConv)) or (
             isinstance(module, nn.Conv) and _conv_as_patches(module)):
         return MATMUL
     if isinstance(module, nn.GroupNorm) and module.use_scale and module.use_bias:
@@ -91,7 +91,7 @@ def kind_of(module) -> Optional[str]:
 
 def conv_geometry(module) -> tuple:
     """(kernel size, strides, padding) of a convolution tap layer, () for any other layer."""
-    if isinstance(module, models.PatchConv):
+    if isinstance(module, layers.PatchConv):
         return tuple(module.kernel_size), tuple(module.strides), module.padding
     if isinstance(module, nn.Conv):
         return tuple(module.kernel_size), _strides(module), module.padding
@@ -101,10 +101,10 @@ def conv_geometry(module) -> tuple:
 def _layer_input(module, x):
     """What the layer's parameter gradient multiplies the output gradient with: a Dense's
     input, a convolution's image patches, GroupNorm's normalized input."""
-    if isinstance(module, models.PatchConv):
-        return models.image_patches(x, module.kernel_size, module.strides, module.padding)
+    if isinstance(module, layers.PatchConv):
+        return layers.image_patches(x, module.kernel_size, module.strides, module.padding)
     if isinstance(module, nn.Conv):
-        return models.image_patches(x, tuple(module.kernel_size), _strides(module),
+        return layers.image_patches(x, tuple(module.kernel_size), _strides(module),
                                     module.padding)
     if isinstance(module, nn.GroupNorm):
         plain = nn.GroupNorm(num_groups=module.num_groups, group_size=module.group_size,

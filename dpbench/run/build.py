@@ -20,6 +20,7 @@ from dpbench.compiler.pipeline import CompiledPipeline, account_only, compile_pi
 from dpbench.compiler.plan import StepOptions
 from dpbench.compiler.rules import ValidatedPipeline
 from dpbench.config import TrainConfig
+from dpbench.models import losses
 from dpbench.run.settings import branch_free, total_steps_for
 from dpbench.stages.base import Stage
 
@@ -81,7 +82,7 @@ class _Parts:
         place a run's parts become the compiler's inputs, from which every run fact derives."""
         dataset = self.dataset
         return RunInputs(init_params=self.init_params, example_shape=dataset.input_shape,
-                         loss_fn=models.cross_entropy_loss(self.model), model=self.model,
+                         loss_fn=losses.cross_entropy_loss(self.model), model=self.model,
                          sampler=self.sampler, budget=budget, total_steps=self.total_steps,
                          steps_per_epoch=max(int(round(self.steps_per_epoch)), 1),
                          noise_multiplier=config.noise_multiplier,

@@ -8,7 +8,8 @@ from typing import Optional
 
 import numpy as np
 
-from dpbench import accounting, data, models, numerics, records
+from dpbench import accounting, data, numerics, records
+from dpbench.models import registry as model_registry
 from dpbench.compiler import check as stage_check
 from dpbench.config import TrainConfig
 from dpbench.run.settings import Settings
@@ -57,7 +58,7 @@ def outside_code(settings: Settings) -> list:
     """The run's dataset and model where they are not dpbench's own: each registered
     function's module, file and sha256 (records.outside_source)."""
     registered = (("dataset", settings.dataset, data.dataset_loader(settings.dataset)),
-                  ("model", settings.model, models.model_spec(settings.model).build))
+                  ("model", settings.model, model_registry.model_spec(settings.model).build))
     return [dict(kind=kind, name=name, **source) for kind, name, obj in registered
             if (source := records.outside_source(obj)) is not None]
 

@@ -3,11 +3,13 @@ al. 2022, "Unlocking high-accuracy differentially private image classification t
 WRN-16-4, 16 groups, no batch statistics), registered as model ``wrn`` by the same call a
 plug-in of a user's own makes (``models.register_model``).
 
-Its knobs are its own gin configurable, ``wrn`` (``wrn.depth = 16``, ``wrn.width = 4``:
-gin/model/wrn16_4.gin; WRN-10-1 for tests). Inputs are images of at most ``wrn.size`` (32)
-pixels a side: smaller ones (Fashion-MNIST's 28x28) are zero-padded to 32x32 at the centre, then
-every pixel is mapped from [0, 1] to [-1, 1]; both are fixed maps of each example alone (no
-statistic of the data, no privacy cost), stated in the run's privacy statement.
+Its knobs are ``model.*`` like every dpbench model's: ``model.depth`` (6 n + 4),
+``model.width``, ``model.group_norm_groups`` (required: 0, the default, is refused),
+``model.activation`` and ``model.input_size`` (gin/model/wrn16_4.gin binds WRN-16-4; WRN-10-1
+for tests). Inputs are images of at most ``model.input_size`` (32) pixels a side: smaller ones
+(Fashion-MNIST's 28x28) are zero-padded to 32x32 at the centre, then every pixel is mapped from
+[0, 1] to [-1, 1]; both are fixed maps of each example alone (no statistic of the data, no
+privacy cost), stated in the run's privacy statement.
 
 Every parameter sits in a layer book-keeping taps (XLA convolutions, 3x3, strided and 1x1, as
 image patches times a matrix; GroupNorm's scale and bias; the dense head), so DP-SGD and the
@@ -17,44 +19,18 @@ augmentation multiplicity included (compiler/taps.py, compiler/bookkeeping.py).
 
 from __future__ import annotations
 
-import dataclasses
-
 import flax.linen as nn
-import gin
 import jax.numpy as jnp
 
-from dpbench import models
+from dpbench.models import layers, registry
 
-SIZE = 32  # the input side the network is built for
-
-
-@gin.configurable("wrn")
-@dataclasses.dataclass(frozen=True)
-class WideResNetKnobs:
-    """WRN-depth-width: depth = 6 n + 4 (n blocks per stage, 3 stages of 16, 32, 64 x width
-    channels); GroupNorm with ``groups`` groups after every convolution but the last."""
-
-    depth: int = 16
-    width: int = 4
-    groups: int = 16
-    activation: str = "relu"
-    size: int = SIZE  # the side inputs are zero-padded to (smaller for tests: 16)
-
-    def __post_init__(self):
-        if self.depth < 10 or (self.depth - 4) % 6:
-            raise ValueError(f"wrn.depth must be 6 n + 4 with n >= 1 (10, 16, 22, 28, ...), "
-                             f"got {self.depth}")
-        if self.width < 1 or self.groups < 1 or 16 % self.groups:
-            raise ValueError(f"wrn.width must be >= 1 and wrn.groups must divide the stem's 16 "
-                             f"channels, got width {self.width}, groups {self.groups}")
-        if self.activation not in models.ACTIVATIONS:
-            raise ValueError(f"wrn.activation must be one of {sorted(models.ACTIVATIONS)}, "
-                             f"got {self.activation!r}")
-        if self.size < 8:
-            raise ValueError(f"wrn.size must be >= 8 (two stride-2 stages), got {self.size}")
+SIZE = 32  # the input side the network is built for (model.input_size's default)
 
 
 class WideResNet(nn.Module):
+    """WRN-depth-width: depth = 6 n + 4 (n blocks per stage, 3 stages of 16, 32, 64 x width
+    channels); GroupNorm with ``groups`` groups after every convolution but the last."""
+
     num_classes: int
     depth: int = 16
     width: int = 4
@@ -64,11 +40,11 @@ class WideResNet(nn.Module):
 
     @nn.compact
     def __call__(self, x):
-        act = models.ACTIVATIONS[self.activation]
+        act = layers.ACTIVATIONS[self.activation]
         height, width, size = x.shape[-3], x.shape[-2], self.size
         if height > size or width > size:
             raise ValueError(f"model 'wrn' takes images of at most {size}x{size} pixels, got "
-                             f"{height}x{width} (wrn.size = {size})")
+                             f"{height}x{width} (model.input_size = {size})")
         top, left = (size - height) // 2, (size - width) // 2
         pad = [(0, 0)] * (x.ndim - 3) + [(top, size - height - top),
                                          (left, size - width - left), (0, 0)]
@@ -95,19 +71,40 @@ class WideResNet(nn.Module):
         return nn.Dense(self.num_classes, name="head")(x)
 
 
+def check_knobs(knobs: dict) -> None:
+    """Raises ValueError naming the ``model.*`` knob to change when the WRN cannot be built
+    from ``knobs`` (model.activation is checked by make_model, for every model)."""
+    depth, width, groups, size = (knobs[k] for k in ("depth", "width", "group_norm_groups",
+                                                     "input_size"))
+    if depth < 10 or (depth - 4) % 6:
+        raise ValueError(f"model.depth must be 6 n + 4 with n >= 1 (10, 16, 22, 28, ...) for "
+                         f"model 'wrn', got {depth}")
+    if width < 1:
+        raise ValueError(f"model.width must be >= 1 for model 'wrn', got {width}")
+    if groups == 0:
+        raise ValueError("model 'wrn' needs GroupNorm: bind model.group_norm_groups (a divisor "
+                         "of 16; gin/model/wrn16_4.gin binds 16), whose default 0 means none")
+    if groups < 1 or 16 % groups:
+        raise ValueError(f"model.group_norm_groups must divide the stem's 16 channels for model "
+                         f"'wrn' (1, 2, 4, 8 or 16), got {groups}")
+    if size < 8:
+        raise ValueError(f"model.input_size must be >= 8 for model 'wrn' (two stride-2 "
+                         f"stages), got {size}")
+
+
 def build(num_classes: int, knobs: dict, linearized: bool) -> nn.Module:
-    """The registered builder: the ``wrn`` configurable's depth, width, groups and activation
-    (identity for the linearized twin); ``model.*`` knobs are the other models'."""
-    own = WideResNetKnobs()
-    return WideResNet(num_classes, own.depth, own.width, own.groups,
-                      "identity" if linearized else own.activation, own.size)
+    """The registered builder: model.depth, width, group_norm_groups, activation (identity for
+    the linearized twin) and input_size."""
+    check_knobs(knobs)
+    return WideResNet(num_classes, knobs["depth"], knobs["width"], knobs["group_norm_groups"],
+                      "identity" if linearized else knobs["activation"], knobs["input_size"])
 
 
 def describe_inputs(knobs: dict) -> list:
-    size = WideResNetKnobs().size
+    size = knobs["input_size"]
     return [dict(what=f"pixels zero-padded at the centre to {size}x{size} and mapped from "
                       "[0, 1] to [-1, 1]",
                  why="fixed maps of each example alone: no privacy cost")]
 
 
-models.register_model("wrn", build, features="pixels", describe_inputs=describe_inputs)
+registry.register_model("wrn", build, features="pixels", describe_inputs=describe_inputs)

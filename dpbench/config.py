@@ -138,6 +138,11 @@ _NO_PARAMETER = re.compile(r"Configurable '([^']+)' doesn't have a parameter nam
 _NO_CONFIGURABLE = re.compile(r"No configurable matching (?:reference )?'@?([\w.]+)")
 
 
+# Configurables that dpbench 0.2 removed, and where their knobs went (CHANGELOG.md).
+_MOVED = {"wrn": "the WRN reads model.* like every model: model.depth, model.width, "
+                 "model.group_norm_groups, model.activation, model.input_size"}
+
+
 def _configurables() -> dict:
     """The name a gin file writes -> the function or class, for every configurable."""
     registry = gin.config._REGISTRY  # noqa: SLF001 (gin has no public listing)
@@ -163,6 +168,9 @@ def _what_to_change(message: str) -> str:
             parameters = list(inspect.signature(wrapped).parameters)
             return (f"{_close(parameter, parameters)}{name} takes: {', '.join(parameters)}")
     unknown = _NO_CONFIGURABLE.search(message)
+    prefix = unknown.group(1).split(".")[0] if unknown else None
+    if prefix in _MOVED:
+        return f"{prefix}.* moved: {_MOVED[prefix]}"
     hint = _close(unknown.group(1), configurables) if unknown else ""
     return (f"{hint}known stages: {', '.join(registered_stage_names())}; check the spelling "
             "of configurable and parameter names")

@@ -262,4 +262,5 @@ def privacy_statement(*, epsilon: float, delta: float, mechanisms: list, sampler
                 truncated_poisson=sampler.get("truncated", False),
                 mechanisms=list(mechanisms), not_covered=list(not_covered),
                 inputs=list(inputs), outside_stages=list(outside_stages),
-                outside_code=list(outside_code), seed_secret=seed_secret, timing_protected=timing_protected, statement=text)
+                outside_code=list(outside_code), seed_secret=seed_secret,
+                timing_protected=timing_protected, statement=text)

@@ -339,7 +339,8 @@ COMMUNICATION_SCRIPT = textwrap.dedent("""
         batch = make_batch(compiled, images, labels, b.indices, b.mask, step=0)
         text = compiled.step.lower(state, batch).compile().as_text()
         found = re.findall(r"= (\\S+) (all-gather|all-reduce|all-to-all)\\(", text)
-        return dict(strategy=compiled.plan.strategy, gathered=[s for s, k in found if k != "all-reduce"],
+        return dict(strategy=compiled.plan.strategy,
+                    gathered=[s for s, k in found if k != "all-reduce"],
                     reduced=[s for s, k in found if k == "all-reduce"])
 
     for name, model, augmult in (("tanh_cnn", "tanh_cnn", 1), ("tanh_cnn_augmult", "tanh_cnn", 2),

@@ -125,6 +125,7 @@ def test_missing_gin_file_is_a_clear_error():
      "did you mean 'l2_bound'? clip.global_l2 takes: l2_bound"),
     (["pipelines/dpsgd"], ["tran.epochs = 3"], "did you mean 'train'?"),
     (["pipelines/dpsdg"], [], "did you mean 'pipelines/dpsgd'?"),
+    (["pipelines/dpsgd"], ["wrn.depth = 10"], "wrn.* moved: the WRN reads model.*"),
 ])
 def test_a_misspelt_name_gets_the_nearest_real_one(files, bindings, hint):
     """A typo in a parameter, a configurable or a method folder names the nearest real name;

@@ -1,7 +1,8 @@
-"""dpbench/run/ (build, settings): a run before its first step. ``run_event`` (what a sweep's planning reads,
-from the compiler's ``account_only``) is the event the built run would account, for every
-kind of ledger: the per-step Gaussian alone, a stage's own per-step cost (GIP), a one-off
-release before training (DP-SNIP), a clip with public inputs (GEP)."""
+"""dpbench/run/ (build, settings): a run before its first step. ``run_event`` (what a
+sweep's planning reads, from the compiler's ``account_only``) is the event the built run would
+account, for every kind of ledger: the per-step Gaussian alone, a stage's own per-step cost
+(GIP), a one-off release before training (DP-SNIP), a clip with public inputs (GEP). A
+pipeline is validated once and lowered once; a release's step has no conditional."""
 
 import json
 

@@ -109,7 +109,8 @@ def test_a_protocol_names_methods_by_folder_and_refuses_an_unknown_or_doubled_on
     bad = dict(PROTOCOL, families={"digits__logistic": dict(
         PROTOCOL["families"]["digits__logistic"], methods=["dpsgd", "halfclp"])})
     (tmp_path / "protocol.json").write_text(json.dumps(bad))
-    with pytest.raises(protocol.ProtocolError, match=r"no method folder \['halfclp'\]"):
+    with pytest.raises(protocol.ProtocolError, match=r"no method folder \['halfclp'\]"
+                                                     r".*did you mean 'halfclip' for 'halfclp'"):
         load_protocol(tmp_path / "protocol.json")
     (tmp_path / "my_methods" / "dpsgd").mkdir()
     for name in ("pipeline.gin", "method.json", "README.md"):

@@ -30,6 +30,7 @@ take finitely many values; the search's epsilon takes the worst of them.
 
 from __future__ import annotations
 
+import difflib
 import json
 from pathlib import Path
 
@@ -125,9 +126,13 @@ def _resolve_methods(path: Path, protocol: dict) -> None:
                 raise ProtocolError(f"{path}: {e}") from e
             unknown = [m for m in spec["methods"] if m not in found]
             if unknown:
+                near = {m: difflib.get_close_matches(m, list(found), n=1) for m in unknown}
+                hint = "".join(f"did you mean {close[0]!r} for {m!r}? "
+                               for m, close in near.items() if close)
                 raise ProtocolError(
                     f"{path}: family {family}: no method folder {unknown} under "
-                    f"{', '.join(map(str, dirs))}; add the folder's parent to 'method_dirs'")
+                    f"{', '.join(map(str, dirs))}; {hint}for a method of your own, add its "
+                    "folder's parent to 'method_dirs'")
             try:
                 spec["methods"] = {m: found[m].search_entry(family) for m in spec["methods"]}
             except methods.MethodError as e:

@@ -44,7 +44,7 @@ from pathlib import Path
 from absl import app, flags, logging
 
 from benchmarks.common import COMMAND_ENV, ONCE, OPACUS_MODES, REPO_ROOT
-from benchmarks.plan import (Options, parse_micro_batch_sizes, plan, run_config,
+from benchmarks.configs import (Options, parse_micro_batch_sizes, plan, run_config,
                              torch_available, torch_settings)
 from benchmarks.machine import machine_facts, versions
 from benchmarks.report import (aggregate_rounds, compute_ratios, interleaved_rows, render,

@@ -15,7 +15,7 @@ import jax
 import numpy as np
 import pytest
 
-from benchmarks import common, machine, plan, speed, torch_workers, workers
+from benchmarks import common, configs, machine, speed, torch_workers, workers
 from benchmarks import report as reporting
 
 COLUMNS = ["configuration", "B", "padded P", "ms/step (median of rounds)", "round medians",
@@ -40,7 +40,7 @@ def _number(cell: str) -> float:
 
 def test_harness_runs_tiny_configurations_and_writes_the_report(tmp_path):
     out = tmp_path / "bench.md"
-    options = plan.Options(
+    options = configs.Options(
         steps=3, warmup=1, batch_sizes=(64,), pipelines="dpsgd", out=str(out), skip_torch=True,
         micro_batch_sizes=((None, 64),), data_gin="gin/data/digits.gin",
         model_gin="gin/model/logistic.gin", logical_batch=0, calibration=False, main_job=False,
@@ -176,7 +176,7 @@ def test_ratios_targets_and_failed_rows_from_synthetic_results():
     assert job["main job (30 epochs) wall time <= 240 s"] is False
 
     report = dict(command="cmd", started="now", machine=machine.machine_facts(),
-                  versions=machine.versions(), options=dataclasses.asdict(plan.Options()),
+                  versions=machine.versions(), options=dataclasses.asdict(configs.Options()),
                   torch_note="synthetic", rows=rows, calibration=calibration, ratios=ratios,
                   targets=reporting.targets(ratios, calibration))
     text = reporting.render(report)
@@ -228,12 +228,12 @@ def test_torch_twin_computes_the_same_function_as_the_tanh_cnn():
 
 
 def test_micro_batch_sizes_per_batch_size_with_a_default():
-    sizes = plan.parse_micro_batch_sizes(["256:64", "128"])
+    sizes = configs.parse_micro_batch_sizes(["256:64", "128"])
     assert sizes == ((256, 64), (None, 128))
-    options = plan.Options(micro_batch_sizes=sizes)
-    assert plan.micro_batch_size_for(options, 256) == 64
-    assert plan.micro_batch_size_for(options, 1024) == 128
-    assert "train.micro_batch_size = 64" in plan._bindings(options, 256)
+    options = configs.Options(micro_batch_sizes=sizes)
+    assert configs.micro_batch_size_for(options, 256) == 64
+    assert configs.micro_batch_size_for(options, 1024) == 128
+    assert "train.micro_batch_size = 64" in configs._bindings(options, 256)
 
 
 @pytest.mark.parametrize("group", sorted(common.GEP_BOUNDS))
@@ -258,12 +258,13 @@ def test_each_gep_bound_gives_its_own_target_line_and_ratio(group):
 
 
 def test_the_plan_times_both_gep_bounds_only_with_gep():
-    options = plan.Options(pipelines="dpsgd,gep", batch_sizes=(256,), interleaved_steps=0)
-    kinds = {c["kind"]: c for c in plan.plan(options, {"skip": "no torch"})
+    options = configs.Options(pipelines="dpsgd,gep", batch_sizes=(256,), interleaved_steps=0)
+    kinds = {c["kind"]: c for c in configs.plan(options, {"skip": "no torch"})
              if c.get("group") in common.GEP_BOUNDS}
     assert set(kinds) == {"gep_floor", "gep_bound"}
     assert all(c["pipeline"] == "gep" and c["setting"] == "light" for c in kinds.values())
-    without = plan.plan(plan.Options(pipelines="dpsgd", batch_sizes=(256,)), {"skip": "no torch"})
+    without = configs.plan(configs.Options(pipelines="dpsgd", batch_sizes=(256,)),
+                           {"skip": "no torch"})
     assert not any(c.get("group") in common.GEP_BOUNDS for c in without)
 
 
@@ -346,14 +347,14 @@ def test_the_r_step_row_times_r_steps_at_a_time_and_reports_per_step():
     assert 0 < result["ms_min"] <= result["ms_median"] <= result["ms_max"]
     gep_facts = [s for s in result["stages"] if s["name"] == "gep.embed_and_clip"][0]
     assert gep_facts["basis_refresh_every"] == 3
-    options = plan.Options(batch_sizes=(64,), pipelines="gep", skip_torch=True,
-                           gep_paper_anchors=0, gep_refresh_every=10, calibration=False,
-                           main_job=False, logical_batch=0)
-    configs = plan.plan(options, {})
-    rows = [c for c in configs if c.get("setting") == "light, r=10"]
+    options = configs.Options(batch_sizes=(64,), pipelines="gep", skip_torch=True,
+                              gep_paper_anchors=0, gep_refresh_every=10, calibration=False,
+                              main_job=False, logical_batch=0)
+    planned = configs.plan(options, {})
+    rows = [c for c in planned if c.get("setting") == "light, r=10"]
     assert len(rows) == 1 and rows[0]["steps_per_timing"] == 10
     assert "gep.embed_and_clip.basis_refresh_every = 10" in rows[0]["bindings"]
-    assert all("steps_per_timing" not in m for c in configs if c["kind"] == "interleaved"
+    assert all("steps_per_timing" not in m for c in planned if c["kind"] == "interleaved"
                for m in c["members"])
 
 

@@ -26,8 +26,8 @@ from dpbench import accounting, config, sweep
 from dpbench.search import methods
 from dpbench.search import tuning
 from dpbench.sweep import cost as sweep_cost
-from dpbench.sweep import checks as sweep_checks
-from dpbench.sweep import plan as sweep_plan
+from dpbench.sweep import preflight as sweep_checks
+from dpbench.sweep import planning as sweep_plan
 from dpbench.sweep import secret as sweep_secret
 from dpbench.search.protocol import ProtocolError, at_epsilon, load_protocol
 from dpbench.search.space import privacy_key, trial_bindings

@@ -39,11 +39,11 @@ from dpbench import records as records_lib
 from dpbench.cli_args import FlagParser
 from dpbench.search import tuning
 from dpbench.sweep import cost as sweep_cost
-from dpbench.sweep import plan as sweep_plan
+from dpbench.sweep import planning as sweep_plan
 from dpbench.sweep import secret as sweep_secret
 from dpbench.search.protocol import ProtocolError, load_protocol
-from dpbench.sweep.checks import foreign_protocol_reason, retry_advice, unreachable_reason
-from dpbench.sweep.plan import prepare
+from dpbench.sweep.preflight import foreign_protocol_reason, retry_advice, unreachable_reason
+from dpbench.sweep.planning import prepare
 
 REPO = Path(__file__).resolve().parents[2]
 SEARCH_FILE, DIVERGED, run_dir_name = tuning.SEARCH_FILE, tuning.DIVERGED, tuning.run_dir_name

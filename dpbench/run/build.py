@@ -36,6 +36,7 @@ class Run:
     sampler: object  # sampling.PoissonSampler or ShuffleSampler
     mesh: jax.sharding.Mesh
     compiled: CompiledPipeline
+    budget: accounting.Budget  # the target (epsilon, delta) its sigma was calibrated to
     params_key: jax.Array
     run_key: jax.Array
     init_params: Callable
@@ -111,10 +112,12 @@ def _parts(config: TrainConfig, budget: accounting.Budget,
 
 
 def build_run(stages: Sequence[Stage] | ValidatedPipeline, config: TrainConfig,
-              budget: accounting.Budget,
+              budget: Optional[accounting.Budget] = None,
               model_config: Optional[models.ModelConfig] = None) -> Run:
     """Loads the configured dataset and model, derives the keys from config.seed (from the OS
-    when it is None) and compiles the pipeline for the mesh over all devices."""
+    when it is None) and compiles the pipeline for the mesh over all devices, its sigma
+    calibrated to ``budget`` (default: the configured one, ``budget.*`` in gin)."""
+    budget = accounting.Budget() if budget is None else budget
     parts = _parts(config, budget, model_config)
     mesh = sharding.make_mesh()
     t0 = time.time()
@@ -126,7 +129,7 @@ def build_run(stages: Sequence[Stage] | ValidatedPipeline, config: TrainConfig,
                                  conv_grads=config.conv_grads))
     dataset = parts.dataset
     return Run(dataset=dataset, model=parts.model, model_name=parts.model_config.name,
-               sampler=parts.sampler, mesh=mesh, compiled=compiled,
+               sampler=parts.sampler, mesh=mesh, compiled=compiled, budget=budget,
                params_key=jax.random.key(parts.seeds[0]),
                run_key=jax.random.key(parts.seeds[1]), init_params=parts.init_params,
                total_steps=parts.total_steps, steps_per_epoch=parts.steps_per_epoch,

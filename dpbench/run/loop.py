@@ -168,9 +168,9 @@ def _train_loop(loop: _Loop, state, progress: Progress, start_step: int, end_ste
 
 
 def train(workdir: str | Path, config: Optional[TrainConfig] = None,
-          budget: Optional[accounting.Budget] = None, gin_files: Sequence[str] = (),
-          overwrite: bool = False) -> dict:
-    """Trains the configured pipeline and writes metrics and the run record into ``workdir``.
+          gin_files: Sequence[str] = (), overwrite: bool = False) -> dict:
+    """Trains the configured pipeline (its budget: ``budget.*`` in gin) and writes metrics and
+    the run record into ``workdir``.
 
     A workdir holding checkpoints of an unfinished run is resumed from its newest intact
     checkpoint (same settings required); one holding a finished run is refused unless
@@ -179,12 +179,11 @@ def train(workdir: str | Path, config: Optional[TrainConfig] = None,
     wall_start, workdir = time.time(), Path(workdir)
     config = TrainConfig() if config is None else config
     config.validate()
-    budget = accounting.Budget() if budget is None else budget
     pipeline_name, stages = pipeline_stages()
     pipeline = validate_pipeline(stages)  # once, before any data is loaded
     # a stage that is not dpbench's own: its declaration verified on synthetic data first
     verified = stage_check.verify_pipeline(pipeline.stages)
-    started = start_run(workdir, pipeline, config, budget, pipeline_name, overwrite)
+    started = start_run(workdir, pipeline, config, pipeline_name, overwrite)
     run, ckpts, state, progress = started.run, started.ckpts, started.state, started.progress
     end_step, stop_reason = started.end_step, started.stop_reason
     start_step = int(jax.device_get(state.step))

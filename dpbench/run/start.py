@@ -170,7 +170,7 @@ class Started(NamedTuple):
 
 
 def start(workdir: Path, stages: Sequence[Stage] | ValidatedPipeline, config: TrainConfig,
-          budget: accounting.Budget, pipeline_name: str, overwrite: bool = False) -> Started:
+          pipeline_name: str, overwrite: bool = False) -> Started:
     """The one home of a run before its first step: the workdir (a finished run refused, or
     archived with ``overwrite``), the run built (``build_run``), the step the budget stops it
     at, its settings (what its checkpoints' ledger depends on) and config.gin, and its state:
@@ -179,7 +179,7 @@ def start(workdir: Path, stages: Sequence[Stage] | ValidatedPipeline, config: Tr
     created = not workdir.exists()
     prepare_workdir(workdir, overwrite)
     try:
-        run = build.build_run(stages, config, budget)
+        run = build.build_run(stages, config)
     except BaseException:
         if created and not any(workdir.iterdir()):
             workdir.rmdir()
@@ -191,9 +191,9 @@ def start(workdir: Path, stages: Sequence[Stage] | ValidatedPipeline, config: Tr
                  sampler.padded_batch_size, run.compile_s)
     logging.info("per-example gradients: %s%s", compiled.plan.strategy,
                  f" ({compiled.plan.strategy_reason})" if compiled.plan.strategy_reason else "")
-    end_step, stop_reason = budget_stop(compiled, budget, config)
+    end_step, stop_reason = budget_stop(compiled, run.budget, config)
     settings = Settings.of(pipeline=pipeline_name, compiled=compiled, dataset=run.dataset,
-                           model=run.model_name, config=config, budget=budget)
+                           model=run.model_name, config=config, budget=run.budget)
     records.atomic_write_text(workdir / records.CONFIG_NAME, gin.config_str())
     ckpts = checkpoint.RunCheckpoints(workdir / CHECKPOINTS,
                                       max_to_keep=config.checkpoints_to_keep,

@@ -114,7 +114,10 @@ def dpsgd_stages(l2_bound=1.0, learning_rate=0.5, optimizer="sgd"):
 
 
 def small_model(shape=(8, 8, 1), num_classes=4, name="logistic"):
-    model = models.make_model(num_classes, name=name, hidden=(16,))
+    # the WRN at its smallest: WRN-10-1 (its knobs are model.*; the others ignore them)
+    wrn = dict(depth=10, width=1, group_norm_groups=4, input_size=shape[0]) if name == "wrn" \
+        else {}
+    model = models.make_model(num_classes, name=name, hidden=(16,), **wrn)
     loss_fn = models.cross_entropy_loss(model)
 
     def init_params(key):

@@ -344,7 +344,7 @@ COMMUNICATION_SCRIPT = textwrap.dedent("""
                     reduced=[s for s, k in found if k == "all-reduce"])
 
     for name, model, augmult in (("tanh_cnn", "tanh_cnn", 1), ("tanh_cnn_augmult", "tanh_cnn", 2),
-                                 ("mlp", "mlp", 1)):
+                                 ("wrn_10_1_augmult", "wrn", 2), ("mlp", "mlp", 1)):
         out[name] = collectives(model, augmult)
     try:
         collectives("tanh_cnn", 2, "convolution")
@@ -358,7 +358,8 @@ COMMUNICATION_SCRIPT = textwrap.dedent("""
 
 def test_the_sharded_step_gathers_no_batch_and_refuses_the_knob_that_would():
     """On 8 fake CPU devices, the compiled step of the tanh CNN (with and without augmentation
-    multiplicity) and of an MLP, book-keeping as real runs use it, holds no all-gather (nor
+    multiplicity), of a WRN-10-1 with augmentation multiplicity and of an MLP, book-keeping as
+    real runs use it, holds no all-gather (nor
     all-to-all): each device keeps its shard of the batch and the clipped sums are all-reduced.
     train.conv_grads = 'convolution' (its per-example kernels by a vmapped, i.e. grouped,
     weight-gradient convolution) makes XLA all-gather the micro-batch's images onto every
@@ -370,7 +371,7 @@ def test_the_sharded_step_gathers_no_batch_and_refuses_the_knob_that_would():
                        env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.split("RESULT", 1)[1])
-    for name in ("tanh_cnn", "tanh_cnn_augmult", "mlp"):
+    for name in ("tanh_cnn", "tanh_cnn_augmult", "wrn_10_1_augmult", "mlp"):
         assert out[name]["strategy"] == "bookkeeping", name
         assert out[name]["gathered"] == [], (name, out[name]["gathered"])
         assert out[name]["reduced"], name  # the sums are reduced, not gathered

@@ -120,7 +120,7 @@ def test_a_release_steps_time_does_not_depend_on_its_batch_and_a_benchmark_says_
     has_conditional = any(op in hlo for op in _CONDITIONALS)
     settings = Settings.of(pipeline=name, compiled=built.compiled, dataset=built.dataset,
                            model=built.model_name, config=train_config, budget=budget)
-    statement = record.privacy_statement(settings, built, 3, 1.0)
+    statement = record.statement_for(settings, built, 3, 1.0)
     timing = [item for item in statement["not_covered"] if "running time" in item["what"]]
     assert settings.branch_free_step is (seed is None) is statement["timing_protected"]
     if seed is None:

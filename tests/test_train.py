@@ -112,9 +112,9 @@ def built(case: str):
 
 
 def statement_with_pre_gep_sigma(settings, run, end_step, epsilon):
-    """Broken twin of run_record.privacy_statement: reports the sigma the release adds to each part
+    """Broken twin of run_record.statement_for: reports the sigma the release adds to each part
     (GEP's, before the sqrt(2) of its two parts) as the effective noise multiplier."""
-    statement = run_record.privacy_statement(settings, run, end_step, epsilon)
+    statement = run_record.statement_for(settings, run, end_step, epsilon)
     for m in statement["mechanisms"]:
         if m["kind"] == "gaussian":
             m["effective_noise_multiplier"] = m["noise_multiplier"]
@@ -122,9 +122,9 @@ def statement_with_pre_gep_sigma(settings, run, end_step, epsilon):
 
 
 def statement_with_realized_rate(settings, run, end_step, epsilon):
-    """Broken twin of run_record.privacy_statement: reports the sampling rate of the first batch
+    """Broken twin of run_record.statement_for: reports the sampling rate of the first batch
     the sampler drew whose size is not B (realized size / N), not the expected q = B / N."""
-    statement = run_record.privacy_statement(settings, run, end_step, epsilon)
+    statement = run_record.statement_for(settings, run, end_step, epsilon)
     n = len(run.dataset.train)
     size = next(s for s in (run.sampler.sample(t).size for t in range(end_step))
                 if s != settings.batch_size)
@@ -170,7 +170,7 @@ def check_statement_is_the_ledger(statement, run, train_config, end_step):
         assert m["dataset_size"] == size and m["truncated_batch_size"] == truncated
 
 
-REAL, PRE_GEP, REALIZED = (run_record.privacy_statement, statement_with_pre_gep_sigma,
+REAL, PRE_GEP, REALIZED = (run_record.statement_for, statement_with_pre_gep_sigma,
                            statement_with_realized_rate)
 STATEMENT_PARAMS = [
     pytest.param(case, builder, id=f"{case}-{name}")

@@ -43,9 +43,9 @@ def run_record(settings: Settings, run, config: TrainConfig, state, progress, *,
         versions=records.versions(), git_commit=records.git_commit(),
         git_dirty=records.git_dirty(), stage_sources=sources, outside_code=code,
         devices=[str(d) for d in run.mesh.devices.flat],
-        privacy_statement=privacy_statement(settings, run, end_step, epsilon, sources,
-                                            diagnostics=bool(config.fidelity_every_steps),
-                                            code=code),
+        privacy_statement=statement_for(settings, run, end_step, epsilon, sources,
+                                        diagnostics=bool(config.fidelity_every_steps),
+                                        code=code),
         non_private_outputs=["train_loss, update_norm and nonfinite_examples in metrics.jsonl "
                              "are diagnostics computed from private batches; they are not "
                              "released by the accounted mechanism"] + (
@@ -108,9 +108,9 @@ def not_covered(settings: Settings, diagnostics: bool = False) -> list:
     return items
 
 
-def privacy_statement(settings: Settings, run, end_step: int, epsilon: float,
-                      outside_stages: list = (), diagnostics: bool = False,
-                      code: list = ()) -> dict:
+def statement_for(settings: Settings, run, end_step: int, epsilon: float,
+                  outside_stages: list = (), diagnostics: bool = False,
+                  code: list = ()) -> dict:
     """The statement of a run with these settings after ``end_step`` steps, from the compiled
     pipeline's ledger (records.privacy_statement words it)."""
     compiled, budget = run.compiled, settings.budget()

@@ -287,13 +287,18 @@ MULTI_DEVICE_SCRIPT = textwrap.dedent("""
 """)
 
 
-def test_step_on_8_fake_devices_equals_the_1_device_step():
+def _on_8_fake_devices(script: str) -> dict:
+    """What ``script`` (formatted with the repository root) prints after RESULT, run in a
+    process of its own with 8 fake CPU devices."""
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
                JAX_PLATFORMS="cpu")
-    proc = run_guarded([sys.executable, "-c", MULTI_DEVICE_SCRIPT.format(root=str(REPO_ROOT))],
-                       env=env)
+    proc = run_guarded([sys.executable, "-c", script.format(root=str(REPO_ROOT))], env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    out = json.loads(proc.stdout.split("RESULT", 1)[1])
+    return json.loads(proc.stdout.split("RESULT", 1)[1])
+
+
+def test_step_on_8_fake_devices_equals_the_1_device_step():
+    out = _on_8_fake_devices(MULTI_DEVICE_SCRIPT)
     assert out["all_devices"] == 8 and out["one_devices"] == 1
     # the examples are split over the 8 devices (micro-batch axis), not replicated on each;
     # GIP's host randomness (its index release's draws) is whole on every device
@@ -365,12 +370,7 @@ def test_the_sharded_step_gathers_no_batch_and_refuses_the_knob_that_would():
     weight-gradient convolution) makes XLA all-gather the micro-batch's images onto every
     device (measured below, and openxla's issue 47945 on GPUs), so a mesh of more than one
     device refuses it, saying why."""
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
-               JAX_PLATFORMS="cpu")
-    proc = run_guarded([sys.executable, "-c", COMMUNICATION_SCRIPT.format(root=str(REPO_ROOT))],
-                       env=env)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    out = json.loads(proc.stdout.split("RESULT", 1)[1])
+    out = _on_8_fake_devices(COMMUNICATION_SCRIPT)
     for name in ("tanh_cnn", "tanh_cnn_augmult", "wrn_10_1_augmult", "mlp"):
         assert out[name]["strategy"] == "bookkeeping", name
         assert out[name]["gathered"] == [], (name, out[name]["gathered"])

@@ -125,7 +125,7 @@ def _reachable(graph: dict, start: str) -> set:
 
 # What the board must never reach: it reads records, so it needs no compiler, stage, model,
 # training or sweep code (and a board rebuild never pays their imports).
-NOT_FOR_THE_BOARD = ("dpbench.compiler", "dpbench.stages", "dpbench.train", "dpbench.run",
+NOT_FOR_THE_BOARD = ("dpbench.compiler", "dpbench.stages", "dpbench.run",
                      "dpbench.sweep", "dpbench.models", "dpbench.data")
 
 

@@ -65,7 +65,7 @@ def check_best_step_follows_validation(workdir):
     for step, label in predicted.items():
         state = SimpleNamespace(params={"predicts": np.asarray(9)},
                                 ema_params={"predicts": np.asarray(label)})
-        train._maybe_evaluate(loop, state, progress, step, end_step=3)
+        train._maybe_evaluate(loop, lambda: state, progress, step, end_step=3)
     logged = [row["validation_accuracy"] for row in records.read_metrics(workdir)]
     assert logged == [2 / 6, 3 / 6, 1 / 6], f"the selection scores are not validation's: {logged}"
     assert progress.best["step"] == 2, f"best step {progress.best['step']}, validation's is 2"

@@ -68,6 +68,7 @@ class _Loop(NamedTuple):
     settings: Settings
     eval_fn: Callable
     wall_start: float
+    label: str = ""  # the trial's name in a group's log lines ("" alone)
 
 
 def selection_accuracy(eval_fn, params, dataset: data.Dataset, batch_size: int) -> float:
@@ -77,12 +78,13 @@ def selection_accuracy(eval_fn, params, dataset: data.Dataset, batch_size: int) 
     return _evaluate(eval_fn, params, dataset.validation, batch_size)
 
 
-def _maybe_evaluate(loop: _Loop, state, progress: Progress, done: int, end_step: int) -> None:
+def _maybe_evaluate(loop: _Loop, state_of: Callable, progress: Progress, done: int,
+                    end_step: int) -> None:
     """Every eval interval and at the end: validation accuracy; the best params are kept."""
     eval_every = loop.config.eval_every_steps or max(int(round(loop.run.steps_per_epoch)), 1)
     if done % eval_every and done != end_step:
         return
-    params = loop.run.compiled.evaluation_params(state)  # the debiased EMA when there is one
+    params = loop.run.compiled.evaluation_params(state_of())  # the debiased EMA if there is one
     if not len(loop.run.dataset.validation):  # a refit: the last step's model is reported
         if done == end_step:
             progress.best = {"validation_accuracy": None, "step": done,
@@ -90,7 +92,7 @@ def _maybe_evaluate(loop: _Loop, state, progress: Progress, done: int, end_step:
         return
     val_acc = selection_accuracy(loop.eval_fn, params, loop.run.dataset,
                                  loop.config.eval_batch_size)
-    logging.info("step %d  validation accuracy %.4f", done, val_acc)
+    logging.info("%sstep %d  validation accuracy %.4f", loop.label, done, val_acc)
     records.append_metrics(loop.workdir, dict(step=done, validation_accuracy=val_acc))
     if val_acc > progress.best["validation_accuracy"]:
         progress.best = {"validation_accuracy": val_acc, "step": done,
@@ -122,29 +124,39 @@ def _first_steps_note(state, done: int, start_step: int, end_step: int, times: l
                      per_step * (end_step - done) / 60, end_step - done)
 
 
-def _train_loop(loop: _Loop, state, progress: Progress, start_step: int, end_step: int):
-    """Steps ``start_step .. end_step - 1`` with the periodic actions: fidelity, evaluation,
-    and (at log / checkpoint steps) the divergence check, the log line and the checkpoint.
-    Plain modulo tests: a periodic-actions library (clu) would add a dependency for this."""
-    run, config, compiled = loop.run, loop.config, loop.run.compiled
-    last_log_time, last_log_step = time.time(), start_step
-    first_times = [last_log_time]
-    nonfinite_device = jnp.zeros((), jnp.float32)
-    for step in range(start_step, end_step):
-        state, metrics = compiled.step(state, run.host_batch(step))
-        nonfinite_device = nonfinite_device + metrics["nonfinite_examples"]
-        done = step + 1
-        _first_steps_note(state, done, start_step, end_step, first_times)
+class _TrialSteps:
+    """One trial's side of the loop after each of its steps: fidelity, evaluation, and (at log
+    / checkpoint steps) the divergence check, the log line and the checkpoint. The solo loop
+    and the group loop (run/group.py) both drive it, so a trial in a group does after each
+    step exactly what it does alone. ``state_of()`` gives the trial's state (a group slices
+    it only when an action needs it). Plain modulo tests: a periodic-actions library (clu)
+    would add a dependency for this."""
+
+    def __init__(self, loop: _Loop, progress: Progress, start_step: int, end_step: int,
+                 notes: bool = True):
+        self.loop, self.progress, self.end_step = loop, progress, end_step
+        self.start_step = start_step
+        self.last_log_time, self.last_log_step = time.time(), start_step
+        self.first_times = [self.last_log_time] if notes else None
+        self.nonfinite = jnp.zeros((), jnp.float32)  # summed on the device between log lines
+
+    def after_step(self, state_of: Callable, metrics, done: int) -> None:
+        loop, progress, end_step = self.loop, self.progress, self.end_step
+        config, compiled = loop.config, loop.run.compiled
+        self.nonfinite = self.nonfinite + metrics["nonfinite_examples"]
+        if self.first_times is not None:
+            _first_steps_note(state_of(), done, self.start_step, end_step, self.first_times)
         _record_fidelity(loop, metrics, progress, done)
-        _maybe_evaluate(loop, state, progress, done, end_step)
+        _maybe_evaluate(loop, state_of, progress, done, end_step)
         log_now = done % config.log_every_steps == 0 or done == end_step
         save_now = done % config.checkpoint_every_steps == 0 or done == end_step
         if not (log_now or save_now):
-            continue
+            return
+        state = state_of()
         jax.block_until_ready(state)
         now, loss = time.time(), float(metrics["train_loss"])
-        progress.nonfinite_total += float(nonfinite_device)
-        nonfinite_device = jnp.zeros((), jnp.float32)
+        progress.nonfinite_total += float(self.nonfinite)
+        self.nonfinite = jnp.zeros((), jnp.float32)
         if (not math.isfinite(loss) or bool(metrics["all_nonfinite"])
                 or (save_now and not _params_finite(state.params))):
             raise TrainingDiverged(
@@ -153,18 +165,80 @@ def _train_loop(loop: _Loop, state, progress: Progress, start_step: int, end_ste
                 "optimize.optax.learning_rate and start a new --workdir")
         epsilon = compiled.epsilon_after(done)
         if log_now:
-            rate = (done - last_log_step) / max(now - last_log_time, 1e-9)
+            rate = (done - self.last_log_step) / max(now - self.last_log_time, 1e-9)
             progress.interval_step_s.append(1.0 / rate)
-            last_log_time, last_log_step = now, done
-            logging.info("step %d/%d  %.2f steps/s  epsilon spent %.4f  loss %.4f",
-                         done, compiled.total_steps, rate, epsilon, loss)
+            self.last_log_time, self.last_log_step = now, done
+            logging.info("%sstep %d/%d  %.2f steps/s  epsilon spent %.4f  loss %.4f",
+                         loop.label, done, compiled.total_steps, rate, epsilon, loss)
             records.append_metrics(loop.workdir, dict(
                 step=done, steps_per_s=rate, epsilon=epsilon, train_loss=loss,
                 nonfinite_examples=progress.nonfinite_total, wall_s=now - loop.wall_start))
         if save_now:
             save_checkpoint(loop.ckpts, compiled, state, progress, loop.settings, done,
                              epsilon, key_saved=config.seed is not None)
+
+
+def _train_loop(loop: _Loop, state, progress: Progress, start_step: int, end_step: int):
+    """Steps ``start_step .. end_step - 1``, each followed by the trial's periodic actions."""
+    run = loop.run
+    trial = _TrialSteps(loop, progress, start_step, end_step)
+    for step in range(start_step, end_step):
+        state, metrics = run.compiled.step(state, run.host_batch(step))
+        trial.after_step(lambda: state, metrics, step + 1)
     return state
+
+
+def eval_fn_for(model) -> Callable:
+    """The jitted count of correct predictions of ``model`` on a batch (shared by the trials
+    of a group, whose model is one)."""
+    return jax.jit(lambda p, x, y: jnp.sum(jnp.argmax(model.apply(p, x), -1) == y))
+
+
+def begin(workdir: Path, config: TrainConfig, overwrite: bool, wall_start: float,
+          eval_fn: Optional[Callable] = None, label: str = ""):
+    """A configured trial (its gin parsed) up to its first step: the pipeline validated once,
+    an outside stage verified, the workdir started (``run.start``). Returns (loop, started,
+    start step, verified)."""
+    config.validate()
+    pipeline_name, stages = pipeline_stages()
+    pipeline = validate_pipeline(stages)  # once, before any data is loaded
+    # a stage that is not dpbench's own: its declaration verified on synthetic data first
+    verified = stage_check.verify_pipeline(pipeline.stages)
+    started = start_run(workdir, pipeline, config, pipeline_name, overwrite)
+    run = started.run
+    eval_fn = eval_fn_for(run.model) if eval_fn is None else eval_fn
+    loop = _Loop(run, config, workdir, started.ckpts, started.settings, eval_fn, wall_start,
+                 label)
+    start_step = int(jax.device_get(started.state.step))
+    return loop, started, start_step, verified
+
+
+def finish(loop: _Loop, started, state, progress: Progress, start_step: int, gin_files,
+           verified: dict, operative_config: str, group: Optional[dict] = None) -> dict:
+    """The trial's end: the checkpoints closed, the test split read once on the chosen
+    params, the run record and the operative config written (the record last)."""
+    run, config, end_step = loop.run, loop.config, started.end_step
+    if start_step == end_step:
+        logging.info("%sthe checkpoint at step %d already holds the whole run", loop.label,
+                     end_step)
+    loop.ckpts.close()
+    test_accuracy = _evaluate(loop.eval_fn, progress.best["params"], run.dataset.test,
+                              config.eval_batch_size)
+    record = run_record.run_record(
+        started.settings, run, config, state, progress, end_step=end_step,
+        stop_reason=started.stop_reason, test_accuracy=test_accuracy, gin_files=gin_files,
+        verified=verified, wall_time_s=time.time() - loop.wall_start)
+    if group is not None:
+        record["group"] = group
+    records.atomic_write_text(loop.workdir / records.OPERATIVE_CONFIG_NAME, operative_config)
+    records.atomic_write_text(loop.workdir / records.RECORD_NAME, records.to_json(record))
+    logging.info("%sdone: test accuracy %.4f (best validation %s at step %d), epsilon %.4f",
+                 loop.label, record["test_accuracy"],
+                 "none (refit)" if record["validation_accuracy"] is None
+                 else f"{record['validation_accuracy']:.4f}", record["best_step"],
+                 record["epsilon"])
+    logging.info("%sprivacy: %s", loop.label, record["privacy_statement"]["statement"])
+    return record
 
 
 def train(workdir: str | Path, config: Optional[TrainConfig] = None,
@@ -178,33 +252,7 @@ def train(workdir: str | Path, config: Optional[TrainConfig] = None,
     """
     wall_start, workdir = time.time(), Path(workdir)
     config = TrainConfig() if config is None else config
-    config.validate()
-    pipeline_name, stages = pipeline_stages()
-    pipeline = validate_pipeline(stages)  # once, before any data is loaded
-    # a stage that is not dpbench's own: its declaration verified on synthetic data first
-    verified = stage_check.verify_pipeline(pipeline.stages)
-    started = start_run(workdir, pipeline, config, pipeline_name, overwrite)
-    run, ckpts, state, progress = started.run, started.ckpts, started.state, started.progress
-    end_step, stop_reason = started.end_step, started.stop_reason
-    start_step = int(jax.device_get(state.step))
-    eval_fn = jax.jit(lambda p, x, y: jnp.sum(jnp.argmax(run.model.apply(p, x), -1) == y))
-    loop = _Loop(run, config, workdir, ckpts, started.settings, eval_fn, wall_start)
-    state = _train_loop(loop, state, progress, start_step, end_step)
-    if start_step == end_step:
-        logging.info("the checkpoint at step %d already holds the whole run", end_step)
-    ckpts.close()
-    test_accuracy = _evaluate(eval_fn, progress.best["params"], run.dataset.test,
-                              config.eval_batch_size)
-    record = run_record.run_record(
-        started.settings, run, config, state, progress, end_step=end_step,
-        stop_reason=stop_reason, test_accuracy=test_accuracy, gin_files=gin_files,
-        verified=verified, wall_time_s=time.time() - wall_start)
-    records.atomic_write_text(workdir / records.OPERATIVE_CONFIG_NAME,
-                              gin.operative_config_str())
-    records.atomic_write_text(workdir / records.RECORD_NAME, records.to_json(record))
-    logging.info("done: test accuracy %.4f (best validation %s at step %d), epsilon %.4f",
-                 record["test_accuracy"], "none (refit)" if record["validation_accuracy"] is None
-                 else f"{record['validation_accuracy']:.4f}", record["best_step"],
-                 record["epsilon"])
-    logging.info("privacy: %s", record["privacy_statement"]["statement"])
-    return record
+    loop, started, start_step, verified = begin(workdir, config, overwrite, wall_start)
+    state = _train_loop(loop, started.state, started.progress, start_step, started.end_step)
+    return finish(loop, started, state, started.progress, start_step, gin_files, verified,
+                  gin.operative_config_str())

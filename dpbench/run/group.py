@@ -1,0 +1,169 @@
+"""Trials as data: a group of trials trained by one compiled step (compiler/group.py).
+
+``train_trials`` starts every trial as ``dpbench train`` would (its own gin configuration,
+workdir, checkpoints, resume, budget stop), packs the trials whose steps differ only in their
+numbers into groups, and trains each group with one step per step of all its trials, each
+trial doing after each of its steps exactly what it does alone (run/loop._TrialSteps). Each
+trial writes its own run record in the solo format, plus ``group``: how many trials shared
+its step, its place among them, and the batching.
+
+A trial past its planned steps takes no step (the group step leaves its state as it was) and
+is charged nothing: its ledger and record count the steps it took. A trial that diverges stops
+alone; the others go on.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import NamedTuple, Optional, Sequence
+
+import gin
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl import app, logging
+
+from dpbench import config as config_lib
+from dpbench import records
+from dpbench.compiler import group as group_lib
+from dpbench.run import loop as run_loop
+
+
+class Trial(NamedTuple):
+    """One trial: where it writes, and its configuration (gin files and bindings, as
+    ``dpbench train --gin_file ... --gin_bindings ...`` would take them)."""
+
+    workdir: Path
+    gin_files: tuple = ()
+    bindings: tuple = ()
+
+
+class _Started(NamedTuple):
+    trial: Trial
+    loop: object          # run/loop._Loop
+    started: object       # run/start.Started
+    start_step: int
+    verified: dict
+    operative_config: str
+    traced: group_lib.Traced
+    idle_batch: dict      # a batch of the right shapes for the steps it does not take
+
+
+def _stack(trees):
+    return jax.tree.map(lambda *leaves: jnp.stack(leaves), *trees)
+
+
+def _start(trial: Trial, overwrite: bool) -> _Started:
+    config_lib.parse_config(list(trial.gin_files), list(trial.bindings))
+    config = config_lib.TrainConfig()
+    loop, started, start_step, verified = run_loop.begin(
+        Path(trial.workdir), config, overwrite, time.time(),
+        label=f"[{Path(trial.workdir).name}] ")
+    run = started.run
+    batch = run.host_batch(start_step)
+    traced = group_lib.trace(run.compiled.lowered.step, started.state, batch)
+    return _Started(trial, loop, started, start_step, verified, gin.operative_config_str(),
+                    traced, batch)
+
+
+def pack(traced: Sequence[group_lib.Traced], max_size: Optional[int] = None) -> list:
+    """The trials (by index) in groups: equal programs up to their numbers, in input order,
+    at most ``max_size`` trials a group."""
+    by_program: dict = {}
+    for i, t in enumerate(traced):
+        by_program.setdefault((t.signature, t.in_tree, t.out_tree), []).append(i)
+    groups = []
+    for members in by_program.values():
+        size = max_size or len(members)
+        groups += [members[k:k + size] for k in range(0, len(members), size)]
+    return groups
+
+
+def _train_group(members: list, batching: Optional[str]) -> list:
+    """Trains one group to the end of its last trial; returns each trial's record or the
+    TrainingDiverged that stopped it."""
+    step = group_lib.group_step([m.traced for m in members], batching=batching)
+    jitted = jax.jit(step.step, donate_argnums=(2,))
+    knobs = jax.device_put(step.knobs)
+    shared = members[0].loop.eval_fn  # one model: one compiled evaluation for the group
+    members = [m._replace(loop=m.loop._replace(eval_fn=shared)) for m in members]
+    states = _stack([m.started.state for m in members])
+    ends = np.array([m.started.end_step for m in members], np.int32)
+    at = [m.start_step for m in members]
+    sides = [run_loop._TrialSteps(m.loop, m.started.progress, m.start_step,  # noqa: SLF001
+                                  m.started.end_step, notes=(i == 0))
+             for i, m in enumerate(members)]
+    outcomes: list = [None] * len(members)
+    logging.info("a group of %d trials (%s), %d knobs, steps %d..%d", len(members),
+                 step.batching, len(step.knobs), min(at), int(ends.max()))
+    host_s, group_steps, t_start = 0.0, 0, time.time()
+    while any(a < e for a, e in zip(at, ends)):
+        t0 = time.time()
+        batches = [m.loop.run.host_batch(a) if a < e else m.idle_batch
+                   for m, a, e in zip(members, at, ends)]
+        batch = _stack(batches)
+        host_s += time.time() - t0
+        states, metrics = jitted(knobs, ends, states, batch)
+        group_steps += 1
+        for i, m in enumerate(members):
+            if at[i] >= ends[i]:
+                continue
+            at[i] += 1
+            try:
+                sides[i].after_step(lambda i=i: jax.tree.map(lambda x: x[i], states),
+                                    jax.tree.map(lambda x: x[i], metrics), at[i])
+            except run_loop.TrainingDiverged as e:  # this trial stops; the others go on
+                logging.warning("%s%s", m.loop.label, e)
+                outcomes[i], ends[i] = e, at[i]
+                m.loop.ckpts.close()
+    jax.block_until_ready(states)
+    info = dict(size=len(members), batching=step.batching, knobs=len(step.knobs),
+                group_steps=group_steps, loop_s=time.time() - t_start, host_batch_s=host_s)
+    logging.info("the group's %d steps took %.1f s, %.1f s of it drawing and placing batches",
+                 group_steps, info["loop_s"], host_s)
+    for i, m in enumerate(members):
+        if outcomes[i] is None:
+            outcomes[i] = run_loop.finish(
+                m.loop, m.started, jax.tree.map(lambda x: x[i], states), m.started.progress,
+                m.start_step, list(m.trial.gin_files), m.verified, m.operative_config,
+                group=dict(info, index=i))
+    return outcomes
+
+
+def train_trials(trials: Sequence[Trial], overwrite: bool = False,
+                 max_group_size: Optional[int] = None, batching: Optional[str] = None) -> list:
+    """Trains ``trials`` in groups (each group one compiled step); returns, per trial in
+    order, its run record or the TrainingDiverged that stopped it. Each trial's workdir holds
+    what ``dpbench train`` would leave there (resumed from its own checkpoints when it has
+    some). ``max_group_size`` caps a group; ``batching``: compiler/group.default_batching."""
+    outcomes: list = [None] * len(trials)
+    todo = []
+    for i, trial in enumerate(trials):
+        finished = Path(trial.workdir) / records.RECORD_NAME
+        if finished.exists() and not overwrite:  # finished before a restart: never rerun
+            outcomes[i] = json.loads(finished.read_text())
+        else:
+            todo.append(i)
+    started = {i: _start(trials[i], overwrite) for i in todo}
+    for members in pack([started[i].traced for i in todo], max_group_size):
+        indices = [todo[k] for k in members]
+        for i, result in zip(indices, _train_group([started[i] for i in indices], batching)):
+            outcomes[i] = result
+    return outcomes
+
+
+def main(argv: Sequence[str]) -> None:
+    """``python -m dpbench.run.group TRIALS.json``: the trials of a JSON list of {workdir,
+    gin_files, bindings} trained in groups (what a sweep's worker runs)."""
+    spec = json.loads(Path(argv[1]).read_text())
+    trials = [Trial(Path(t["workdir"]), tuple(t.get("gin_files", ())),
+                    tuple(t.get("bindings", ()))) for t in spec]
+    for trial, outcome in zip(trials, train_trials(trials)):
+        status = "diverged" if isinstance(outcome, Exception) else "finished"
+        print(f"{trial.workdir}: {status}", flush=True)
+
+
+if __name__ == "__main__":
+    app.run(main)

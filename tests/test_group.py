@@ -1,0 +1,212 @@
+"""Trials as data (compiler/group.py, run/group.py): a trial trained in a group is the trial
+trained alone; the broken twins of a group step (a shared noise key, a shared number, a
+finished trial still stepped, a shared Poisson draw) each fail the same check."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from tests.conftest import HANG_GUARD_S, REPO_ROOT, run_guarded
+from dpbench import accounting, config, numerics
+from dpbench.compiler import group as group_lib
+from dpbench.run import group as run_group
+from dpbench.run import loop as run_loop
+from dpbench.run.build import build_run
+from dpbench.run.start import saved_steps
+
+DIGITS = "gin/data/digits.gin"
+SMALL = ("dataset.public_size = 64", "gep.embed_and_clip.num_anchors = 64",
+         "gep.embed_and_clip.num_basis = 48", "train.epochs = 1")
+
+
+def _knobs(rng) -> list:
+    """Three trials that differ in every number a DP-SGD-like trial has: learning rate, clip
+    bound, epsilon (so sigma), planned steps (epochs), seed; drawn fresh each run."""
+    return [[f"optimize.optax.learning_rate = {rng.uniform(0.05, 1.0):.5g}",
+             f"clip.global_l2.l2_bound = {rng.uniform(0.1, 3.0):.5g}",
+             f"EPSILON = {rng.uniform(0.5, 4.0):.5g}", f"train.epochs = {epochs}",
+             f"train.seed = {int(rng.integers(2**31))}"] for epochs in (1, 2, 1)]
+
+
+def _runs(pipeline: str, trials: list) -> list:
+    runs = []
+    for bindings in trials:
+        config.parse_config([f"pipelines/{pipeline}/pipeline.gin", DIGITS],
+                            list(SMALL) + bindings)
+        _, stages = config.pipeline_stages()
+        runs.append(build_run(stages, config.TrainConfig(), accounting.Budget()))
+    return runs
+
+
+def _stack(trees):
+    return jax.tree.map(lambda *leaves: jnp.stack(leaves), *trees)
+
+
+def _honest(knobs, ends, states, batches):
+    return knobs, ends, states, batches
+
+
+def _alone(runs) -> list:
+    """Each trial's final state trained alone, to its own planned steps."""
+    states = []
+    for r in runs:
+        state = r.initial_state()
+        for t in range(r.total_steps):
+            state, _ = r.compiled.step(state, r.host_batch(t))
+        states.append(state)
+    return states
+
+
+def _group_minus_solo(runs, batching, twin=_honest, alone=None) -> list:
+    """Each trial's largest parameter difference, trained in one group (each its own batches,
+    to its own planned steps) vs alone, and whether its step counters agree."""
+    alone = _alone(runs) if alone is None else alone
+    first = [r.host_batch(0) for r in runs]
+    initial = [r.initial_state() for r in runs]
+    traced = [group_lib.trace(r.compiled.lowered.step, s, b)
+              for r, s, b in zip(runs, initial, first)]
+    step = group_lib.group_step(traced, batching=batching)
+    jitted = jax.jit(step.step)
+    ends = jnp.array([r.total_steps for r in runs], jnp.int32)
+    states = _stack(initial)
+    for t in range(max(r.total_steps for r in runs)):
+        batches = [r.host_batch(min(t, r.total_steps - 1)) for r in runs]
+        states, _ = jitted(*twin(step.knobs, ends, states, _stack(batches)))
+    out = []
+    for i, solo in enumerate(alone):
+        grouped = jax.tree.map(lambda x: x[i], states)
+        gap = max(float(jnp.max(jnp.abs(a - b))) for a, b in
+                  zip(jax.tree.leaves(grouped.params), jax.tree.leaves(solo.params)))
+        out.append((gap, int(grouped.step) == int(solo.step)))
+    return out
+
+
+# XLA batches a vmapped step's products differently from the solo one's: a last-bit
+# difference per step at most (measured 0.0 on this digits MLP), far under this tolerance; the
+# map batching runs each trial's own program and is held to bit-identical parameters.
+VMAP_TOL = 1e-5
+
+
+@pytest.mark.parametrize("pipeline,batching", [("dpsgd", "vmap"), ("dpsgd", "map"),
+                                               ("rs", "map"), ("gep", "map")])
+def test_a_trial_stepped_in_a_group_is_the_trial_stepped_alone(pipeline, batching):
+    runs = _runs(pipeline, _knobs(np.random.default_rng()))
+    tol = VMAP_TOL if batching == "vmap" else 0.0
+    for i, (gap, steps_agree) in enumerate(_group_minus_solo(runs, batching)):
+        assert steps_agree, f"trial {i} took another number of steps in the group"
+        assert gap <= tol, f"trial {i}'s parameters differ from its solo run's by {gap}"
+
+
+def _share_the_noise_key(knobs, ends, states, batches):
+    keys = jnp.stack([states.key[0]] * len(ends))
+    return knobs, ends, states._replace(key=keys), batches
+
+
+def _read_trial_0s_numbers(knobs, ends, states, batches):
+    return {p: np.stack([v[0]] * len(ends)) for p, v in knobs.items()}, ends, states, batches
+
+
+def _step_past_the_plan(knobs, ends, states, batches):
+    return knobs, jnp.full_like(ends, 10**6), states, batches
+
+
+def _share_one_poisson_draw(knobs, ends, states, batches):
+    return knobs, ends, states, jax.tree.map(lambda x: jnp.stack([x[0]] * len(ends)), batches)
+
+
+def test_each_broken_twin_of_a_group_fails_the_check():
+    runs = _runs("dpsgd", _knobs(np.random.default_rng()))
+    alone = _alone(runs)
+    assert all(gap == 0.0 and agree for gap, agree in _group_minus_solo(runs, "map", alone=alone))
+    for twin in (_share_the_noise_key, _read_trial_0s_numbers, _step_past_the_plan,
+                 _share_one_poisson_draw):
+        results = _group_minus_solo(runs, "map", twin, alone)
+        assert any(gap > VMAP_TOL or not agree for gap, agree in results), \
+            f"{twin.__name__} passed the group-vs-solo check: {results}"
+
+
+def test_numbers_inside_scan_while_and_cond_are_each_trials_own():
+    def step(state, batch, k):  # k: a Python constant of each trial's own program
+        def body(carry, row):
+            return carry * k + jnp.sum(row) * 0.5, row * k
+        carry, ys = jax.lax.scan(body, state["x"][0, 0], state["x"] + batch)
+        looped = jax.lax.while_loop(lambda c: c[0] < 3.0 * k, lambda c: (c[0] + k, c[1] + 1),
+                                    (carry * 0.0, 0))
+        chosen = jax.lax.cond(carry > k, lambda v: v * k, lambda v: v - k, ys)
+        new = {"x": chosen + carry + looped[0], "step": state["step"] + 1}
+        return new, {"loops": looped[1]}
+
+    rng = np.random.default_rng()
+    state = {"x": jnp.asarray(rng.normal(size=(4, 3)), jnp.float32),
+             "step": jnp.zeros((), jnp.int32)}
+    batch = jnp.asarray(rng.normal(size=(4, 3)), jnp.float32)
+    ks = [float(k) for k in rng.uniform(0.5, 2.0, size=3)]
+    fns = [lambda s, b, k=k: step(s, b, k) for k in ks]
+    traced = [group_lib.trace(fn, state, batch) for fn in fns]
+    assert len(group_lib.knob_paths(traced)) >= 6  # k in the scan, the while and the cond
+    for batching in group_lib.BATCHINGS:
+        grouped = group_lib.group_step(traced, step_of=lambda s: s["step"], batching=batching)
+        new, metrics = jax.jit(grouped.step)(grouped.knobs, jnp.ones(3, jnp.int32),
+                                             _stack([state] * 3), _stack([batch] * 3))
+        for i, fn in enumerate(fns):
+            alone, alone_metrics = jax.jit(fn)(state, batch)
+            np.testing.assert_allclose(new["x"][i], alone["x"], rtol=1e-6, atol=1e-6)
+            assert int(metrics["loops"][i]) == int(alone_metrics["loops"]), batching
+
+
+def test_a_shape_difference_makes_two_groups_and_says_where():
+    a = group_lib.trace(lambda x: jnp.sum(x * 2.0), jnp.ones(3))
+    b = group_lib.trace(lambda x: jnp.sum(x * 3.0), jnp.ones(3))
+    c = group_lib.trace(lambda x: jnp.sum(x * 2.0), jnp.ones(4))
+    assert run_group.pack([a, b, c]) == [[0, 1], [2]]
+    with pytest.raises(group_lib.NotGroupable, match="differs from trial 0's in more than"):
+        group_lib.knob_paths([a, c])
+
+
+def _solo_record(workdir, bindings):
+    config.parse_config(["pipelines/dpsgd/pipeline.gin", DIGITS], list(SMALL) + bindings)
+    return run_loop.train(workdir)
+
+
+def test_a_group_killed_at_a_random_step_resumes_to_each_trials_solo_record(tmp_path):
+    rng = np.random.default_rng()
+    trials = [b + ["train.checkpoint_every_steps = 4", "train.log_every_steps = 4"]
+              for b in _knobs(rng)[:2]]
+    spec = [dict(workdir=str(tmp_path / f"group{i}"), bindings=list(SMALL) + b,
+                 gin_files=["pipelines/dpsgd/pipeline.gin", DIGITS])
+            for i, b in enumerate(trials)]
+    (tmp_path / "trials.json").write_text(json.dumps(spec))
+    command = [sys.executable, "-m", "dpbench.run.group", str(tmp_path / "trials.json")]
+    proc = subprocess.Popen(command, cwd=REPO_ROOT, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    start = time.monotonic()
+    while not saved_steps(tmp_path / "group1"):  # the longer trial's first whole checkpoint
+        assert proc.poll() is None, "the group ended before its first checkpoint"
+        assert time.monotonic() - start < HANG_GUARD_S, "hung: no checkpoint"
+        time.sleep(0.05)
+    time.sleep(rng.uniform(0.0, 0.1))  # somewhere after it: a random step
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    killed_early = not (tmp_path / "group1" / "run_record.json").exists()
+    resumed = run_guarded(command, cwd=REPO_ROOT)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    for i, bindings in enumerate(trials):
+        grouped = json.loads((tmp_path / f"group{i}" / "run_record.json").read_text())
+        solo = _solo_record(tmp_path / f"solo{i}", bindings)
+        for key in ("final_params_sha256", "epsilon", "dp_event", "steps", "best_step",
+                    "validation_accuracy", "test_accuracy", "settings_sha256"):
+            assert grouped[key] == solo[key], f"trial {i}: {key} differs"
+        assert grouped["group"]["size"] == 2
+        steps = [row["step"] for row in
+                 map(json.loads, (tmp_path / f"group{i}" / "metrics.jsonl").open())]
+        assert max(steps) == solo["steps"], f"trial {i} logged steps past its plan"
+        if killed_early and i == 1:  # the longer trial: resumed from a checkpoint of its own
+            assert grouped["resumed_from_steps"], "trial 1 was not resumed"

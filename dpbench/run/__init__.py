@@ -6,7 +6,8 @@
   ``run_event`` (the same run's DpEvent, nothing lowered);
 - ``start``: the workdir, the budget stop, restore or init (``start``);
 - ``loop``: the one train loop, ``train``;
-- ``record``: the run record (the settings plus the outcomes) and its privacy statement.
+- ``record``: the run record (the settings plus the outcomes) and its privacy statement;
+- ``group``: trials as data, ``train_trials`` (a group of trials trained by one compiled step).
 """
 
 from dpbench.run.build import Run, build_run, run_event

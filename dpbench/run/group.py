@@ -3,7 +3,7 @@
 ``train_trials`` starts every trial as ``dpbench train`` would (its own gin configuration,
 workdir, checkpoints, resume, budget stop), packs the trials whose steps differ only in their
 numbers into groups, and trains each group with one step per step of all its trials, each
-trial doing after each of its steps exactly what it does alone (run/loop._TrialSteps). Each
+trial doing after each of its steps exactly what it does alone (run/loop.TrialSteps). Each
 trial writes its own run record in the solo format, plus ``group``: how many trials shared
 its step, its place among them, and the batching.
 
@@ -92,7 +92,7 @@ def _train_group(members: list, batching: Optional[str]) -> list:
     states = _stack([m.started.state for m in members])
     ends = np.array([m.started.end_step for m in members], np.int32)
     at = [m.start_step for m in members]
-    sides = [run_loop._TrialSteps(m.loop, m.started.progress, m.start_step,  # noqa: SLF001
+    sides = [run_loop.TrialSteps(m.loop, m.started.progress, m.start_step,
                                   m.started.end_step, notes=(i == 0))
              for i, m in enumerate(members)]
     outcomes: list = [None] * len(members)

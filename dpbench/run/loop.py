@@ -124,7 +124,7 @@ def _first_steps_note(state, done: int, start_step: int, end_step: int, times: l
                      per_step * (end_step - done) / 60, end_step - done)
 
 
-class _TrialSteps:
+class TrialSteps:
     """One trial's side of the loop after each of its steps: fidelity, evaluation, and (at log
     / checkpoint steps) the divergence check, the log line and the checkpoint. The solo loop
     and the group loop (run/group.py) both drive it, so a trial in a group does after each
@@ -181,7 +181,7 @@ class _TrialSteps:
 def _train_loop(loop: _Loop, state, progress: Progress, start_step: int, end_step: int):
     """Steps ``start_step .. end_step - 1``, each followed by the trial's periodic actions."""
     run = loop.run
-    trial = _TrialSteps(loop, progress, start_step, end_step)
+    trial = TrialSteps(loop, progress, start_step, end_step)
     for step in range(start_step, end_step):
         state, metrics = run.compiled.step(state, run.host_batch(step))
         trial.after_step(lambda: state, metrics, step + 1)

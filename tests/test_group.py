@@ -27,13 +27,25 @@ SMALL = ("dataset.public_size = 64", "gep.embed_and_clip.num_anchors = 64",
          "gep.embed_and_clip.num_basis = 48", "train.epochs = 1")
 
 
-def _knobs(rng) -> list:
-    """Three trials that differ in every number a DP-SGD-like trial has: learning rate, clip
-    bound, epsilon (so sigma), planned steps (epochs), seed; drawn fresh each run."""
+# each method's own numbers, drawn per trial (the board's method.json spaces)
+METHOD_KNOBS = {
+    "rs": lambda rng: [f"sparsify.random_mask.final_rate = {rng.uniform(0.3, 0.9):.5g}"],
+    "gep": lambda rng: [f"gep.embed_and_clip.residual_bound = {rng.uniform(0.05, 0.5):.5g}"]}
+
+
+def _knobs(rng, pipeline: str = "dpsgd") -> list:
+    """Three trials that differ in every number a trial of ``pipeline`` has: learning rate,
+    momentum, clip bound, epsilon (so sigma), EMA decay, planned steps (epochs), seed, and the
+    method's own; drawn fresh each run."""
+    method = METHOD_KNOBS.get(pipeline, lambda rng: [])
     return [[f"optimize.optax.learning_rate = {rng.uniform(0.05, 1.0):.5g}",
+             "optimize.optax.optimizer = 'momentum'",
+             f"optimize.optax.momentum = {rng.uniform(0.5, 0.95):.5g}",
              f"clip.global_l2.l2_bound = {rng.uniform(0.1, 3.0):.5g}",
              f"EPSILON = {rng.uniform(0.5, 4.0):.5g}", f"train.epochs = {epochs}",
-             f"train.seed = {int(rng.integers(2**31))}"] for epochs in (1, 2, 1)]
+             f"train.ema_decay = {rng.uniform(0.5, 0.95):.5g}",
+             f"train.seed = {int(rng.integers(2**31))}", *method(rng)]
+            for epochs in (1, 2, 1)]
 
 
 def _runs(pipeline: str, trials: list) -> list:
@@ -98,7 +110,7 @@ VMAP_TOL = 1e-5
 @pytest.mark.parametrize("pipeline,batching", [("dpsgd", "vmap"), ("dpsgd", "map"),
                                                ("rs", "map"), ("gep", "map")])
 def test_a_trial_stepped_in_a_group_is_the_trial_stepped_alone(pipeline, batching):
-    runs = _runs(pipeline, _knobs(np.random.default_rng()))
+    runs = _runs(pipeline, _knobs(np.random.default_rng(), pipeline))
     tol = VMAP_TOL if batching == "vmap" else 0.0
     for i, (gap, steps_agree) in enumerate(_group_minus_solo(runs, batching)):
         assert steps_agree, f"trial {i} took another number of steps in the group"

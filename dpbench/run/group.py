@@ -81,6 +81,22 @@ def pack(traced: Sequence[group_lib.Traced], max_size: Optional[int] = None) -> 
     return groups
 
 
+class _Counts:
+    """The group's non-finite example counts, summed on the device between log lines; a
+    trial takes (reads and zeroes) its own at its log steps."""
+
+    def __init__(self, size: int):
+        self.total = jnp.zeros((size,), jnp.float32)
+
+    def add(self, counts) -> None:
+        self.total = self.total + counts
+
+    def take(self, i: int) -> float:
+        count = float(self.total[i])
+        self.total = self.total.at[i].set(0.0)
+        return count
+
+
 def _train_group(members: list, batching: Optional[str]) -> list:
     """Trains one group to the end of its last trial; returns each trial's record or the
     TrainingDiverged that stopped it."""
@@ -92,8 +108,10 @@ def _train_group(members: list, batching: Optional[str]) -> list:
     states = _stack([m.started.state for m in members])
     ends = np.array([m.started.end_step for m in members], np.int32)
     at = [m.start_step for m in members]
+    counts = _Counts(len(members))
     sides = [run_loop.TrialSteps(m.loop, m.started.progress, m.start_step,
-                                  m.started.end_step, notes=(i == 0))
+                                  m.started.end_step, notes=(i == 0),
+                                  take_nonfinite=lambda i=i: counts.take(i))
              for i, m in enumerate(members)]
     outcomes: list = [None] * len(members)
     logging.info("a group of %d trials (%s), %d knobs, steps %d..%d", len(members),
@@ -106,6 +124,10 @@ def _train_group(members: list, batching: Optional[str]) -> list:
         batch = _stack(batches)
         host_s += time.time() - t0
         states, metrics = jitted(knobs, ends, states, batch)
+        # one sum for the group (a finished trial's rows are masked out); a trial's metrics
+        # are sliced only when one of its actions reads them
+        counts.add(jnp.where(jnp.asarray(np.array(at) < ends),
+                             metrics["nonfinite_examples"], 0.0))
         group_steps += 1
         for i, m in enumerate(members):
             if at[i] >= ends[i]:
@@ -113,7 +135,7 @@ def _train_group(members: list, batching: Optional[str]) -> list:
             at[i] += 1
             try:
                 sides[i].after_step(lambda i=i: jax.tree.map(lambda x: x[i], states),
-                                    jax.tree.map(lambda x: x[i], metrics), at[i])
+                                    lambda i=i: jax.tree.map(lambda x: x[i], metrics), at[i])
             except run_loop.TrainingDiverged as e:  # this trial stops; the others go on
                 logging.warning("%s%s", m.loop.label, e)
                 outcomes[i], ends[i] = e, at[i]

@@ -99,9 +99,10 @@ def _maybe_evaluate(loop: _Loop, state_of: Callable, progress: Progress, done: i
                          "params": checkpoint.to_host(params)}
 
 
-def _record_fidelity(loop: _Loop, metrics, progress: Progress, done: int) -> None:
+def _record_fidelity(loop: _Loop, metrics_of: Callable, progress: Progress, done: int) -> None:
     every = loop.config.fidelity_every_steps
     if every and done % every == 0:
+        metrics = metrics_of()
         row = {name: float(metrics[name]) for name in ("fidelity_cosine", "noise_to_signal")}
         progress.fidelity["cosine"].append(row["fidelity_cosine"])
         progress.fidelity["noise_to_signal"].append(row["noise_to_signal"])
@@ -128,35 +129,44 @@ class TrialSteps:
     """One trial's side of the loop after each of its steps: fidelity, evaluation, and (at log
     / checkpoint steps) the divergence check, the log line and the checkpoint. The solo loop
     and the group loop (run/group.py) both drive it, so a trial in a group does after each
-    step exactly what it does alone. ``state_of()`` gives the trial's state (a group slices
-    it only when an action needs it). Plain modulo tests: a periodic-actions library (clu)
-    would add a dependency for this."""
+    step exactly what it does alone. ``state_of()`` and ``metrics_of()`` give the trial's
+    state and metrics (a group slices them only when an action needs them). The non-finite
+    count is summed on the device between log lines: by this object from each step's metrics,
+    or, given ``take_nonfinite`` (a group's one sum for all its trials), read from there.
+    Plain modulo tests: a periodic-actions library (clu) would add a dependency for this."""
 
     def __init__(self, loop: _Loop, progress: Progress, start_step: int, end_step: int,
-                 notes: bool = True):
+                 notes: bool = True, take_nonfinite: Optional[Callable] = None):
         self.loop, self.progress, self.end_step = loop, progress, end_step
         self.start_step = start_step
         self.last_log_time, self.last_log_step = time.time(), start_step
         self.first_times = [self.last_log_time] if notes else None
-        self.nonfinite = jnp.zeros((), jnp.float32)  # summed on the device between log lines
+        self.nonfinite = jnp.zeros((), jnp.float32)
+        self.take_nonfinite = take_nonfinite
 
-    def after_step(self, state_of: Callable, metrics, done: int) -> None:
+    def _take_nonfinite(self) -> float:
+        if self.take_nonfinite is not None:
+            return self.take_nonfinite()
+        count, self.nonfinite = float(self.nonfinite), jnp.zeros((), jnp.float32)
+        return count
+
+    def after_step(self, state_of: Callable, metrics_of: Callable, done: int) -> None:
         loop, progress, end_step = self.loop, self.progress, self.end_step
         config, compiled = loop.config, loop.run.compiled
-        self.nonfinite = self.nonfinite + metrics["nonfinite_examples"]
+        if self.take_nonfinite is None:
+            self.nonfinite = self.nonfinite + metrics_of()["nonfinite_examples"]
         if self.first_times is not None:
             _first_steps_note(state_of(), done, self.start_step, end_step, self.first_times)
-        _record_fidelity(loop, metrics, progress, done)
+        _record_fidelity(loop, metrics_of, progress, done)
         _maybe_evaluate(loop, state_of, progress, done, end_step)
         log_now = done % config.log_every_steps == 0 or done == end_step
         save_now = done % config.checkpoint_every_steps == 0 or done == end_step
         if not (log_now or save_now):
             return
-        state = state_of()
+        state, metrics = state_of(), metrics_of()
         jax.block_until_ready(state)
         now, loss = time.time(), float(metrics["train_loss"])
-        progress.nonfinite_total += float(self.nonfinite)
-        self.nonfinite = jnp.zeros((), jnp.float32)
+        progress.nonfinite_total += self._take_nonfinite()
         if (not math.isfinite(loss) or bool(metrics["all_nonfinite"])
                 or (save_now and not _params_finite(state.params))):
             raise TrainingDiverged(
@@ -184,7 +194,7 @@ def _train_loop(loop: _Loop, state, progress: Progress, start_step: int, end_ste
     trial = TrialSteps(loop, progress, start_step, end_step)
     for step in range(start_step, end_step):
         state, metrics = run.compiled.step(state, run.host_batch(step))
-        trial.after_step(lambda: state, metrics, step + 1)
+        trial.after_step(lambda: state, lambda: metrics, step + 1)
     return state
 
 

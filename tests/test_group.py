@@ -227,3 +227,16 @@ def test_a_group_killed_at_a_random_step_resumes_to_each_trials_solo_record(tmp_
         assert max(steps) == solo["steps"], f"trial {i} logged steps past its plan"
         if killed_early and i == 1:  # the longer trial: resumed from a checkpoint of its own
             assert grouped["resumed_from_steps"], "trial 1 was not resumed"
+
+
+def test_a_trial_alone_runs_the_solo_loop_and_records_a_group_of_one(tmp_path, monkeypatch):
+    traced = []
+    monkeypatch.setattr(group_lib, "trace", lambda *a: traced.append(a))
+    bindings = list(SMALL) + _knobs(np.random.default_rng())[0]
+    (record,) = run_group.train_trials([run_group.Trial(
+        tmp_path / "alone", ("pipelines/dpsgd/pipeline.gin", DIGITS), tuple(bindings))])
+    assert not traced, "a group of one traced its step"
+    assert record["group"]["size"] == 1
+    solo = _solo_record(tmp_path / "solo", bindings)
+    differ = [key for key in solo if key not in TIMINGS and record.get(key) != solo[key]]
+    assert not differ, f"the trial alone differs from its solo record in {differ}"

@@ -47,7 +47,7 @@ def _split(labels):
 
 
 def check_best_step_follows_validation(workdir):
-    """Runs the train loop's evaluation (train._maybe_evaluate, as _train_loop calls it) over
+    """Runs the train loop's evaluation (train._maybe_evaluate, as train_steps calls it) over
     three steps whose 'model' predicts one class: validation prefers step 2, test step 1. The
     best step, its params and the logged accuracies (what the run record reports) must be
     validation's, and of the evaluation params (``CompiledPipeline.evaluation_params``)."""

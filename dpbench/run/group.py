@@ -47,8 +47,8 @@ class _Started(NamedTuple):
     start_step: int
     verified: dict
     operative_config: str
-    traced: group_lib.Traced
     idle_batch: dict      # a batch of the right shapes for the steps it does not take
+    traced: Optional[group_lib.Traced] = None
 
 
 def _stack(trees):
@@ -62,10 +62,14 @@ def _start(trial: Trial, overwrite: bool) -> _Started:
         Path(trial.workdir), config, overwrite, time.time(),
         label=f"[{Path(trial.workdir).name}] ")
     run = started.run
-    batch = run.host_batch(start_step)
-    traced = group_lib.trace(run.compiled.lowered.step, started.state, batch)
     return _Started(trial, loop, started, start_step, verified, gin.operative_config_str(),
-                    traced, batch)
+                    run.host_batch(start_step))
+
+
+def _traced(member: _Started) -> _Started:
+    run = member.loop.run
+    return member._replace(traced=group_lib.trace(run.compiled.lowered.step,
+                                                  member.started.state, member.idle_batch))
 
 
 def pack(traced: Sequence[group_lib.Traced], max_size: Optional[int] = None) -> list:
@@ -154,6 +158,21 @@ def _train_group(members: list, batching: Optional[str]) -> list:
     return outcomes
 
 
+def _train_alone(member: _Started):
+    """A trial with no group: the solo loop, its record marked as a group of one."""
+    loop, started = member.loop, member.started
+    try:
+        state = run_loop.train_steps(loop, started.state, started.progress, member.start_step,
+                                     started.end_step)
+    except run_loop.TrainingDiverged as e:
+        logging.warning("%s%s", loop.label, e)
+        loop.ckpts.close()
+        return e
+    return run_loop.finish(loop, started, state, started.progress, member.start_step,
+                           list(member.trial.gin_files), member.verified,
+                           member.operative_config, group=dict(size=1, index=0, batching=None))
+
+
 def train_trials(trials: Sequence[Trial], overwrite: bool = False,
                  max_group_size: Optional[int] = None, batching: Optional[str] = None) -> list:
     """Trains ``trials`` in groups (each group one compiled step); returns, per trial in
@@ -169,6 +188,11 @@ def train_trials(trials: Sequence[Trial], overwrite: bool = False,
         else:
             todo.append(i)
     started = {i: _start(trials[i], overwrite) for i in todo}
+    if len(todo) == 1:  # alone: the solo loop, no trace (a group of one costs what a run does)
+        (i,) = todo
+        outcomes[i] = _train_alone(started[i])
+        return outcomes
+    started = {i: _traced(s) for i, s in started.items()}
     for members in pack([started[i].traced for i in todo], max_group_size):
         indices = [todo[k] for k in members]
         for i, result in zip(indices, _train_group([started[i] for i in indices], batching)):

@@ -59,7 +59,7 @@ def save_checkpoint(ckpts, compiled, state, progress: Progress, settings: Settin
 
 
 class _Loop(NamedTuple):
-    """The loop's fixed context (see :func:`_train_loop`)."""
+    """The loop's fixed context (see :func:`train_steps`)."""
 
     run: Run
     config: TrainConfig
@@ -188,7 +188,7 @@ class TrialSteps:
                              epsilon, key_saved=config.seed is not None)
 
 
-def _train_loop(loop: _Loop, state, progress: Progress, start_step: int, end_step: int):
+def train_steps(loop: _Loop, state, progress: Progress, start_step: int, end_step: int):
     """Steps ``start_step .. end_step - 1``, each followed by the trial's periodic actions."""
     run = loop.run
     trial = TrialSteps(loop, progress, start_step, end_step)
@@ -263,6 +263,6 @@ def train(workdir: str | Path, config: Optional[TrainConfig] = None,
     wall_start, workdir = time.time(), Path(workdir)
     config = TrainConfig() if config is None else config
     loop, started, start_step, verified = begin(workdir, config, overwrite, wall_start)
-    state = _train_loop(loop, started.state, started.progress, start_step, started.end_step)
+    state = train_steps(loop, started.state, started.progress, start_step, started.end_step)
     return finish(loop, started, state, started.progress, start_step, gin_files, verified,
                   gin.operative_config_str())

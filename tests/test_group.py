@@ -23,8 +23,8 @@ from dpbench.run.build import build_run
 from dpbench.run.start import saved_steps
 
 DIGITS = "gin/data/digits.gin"
-SMALL = ("dataset.public_size = 64", "gep.embed_and_clip.num_anchors = 64",
-         "gep.embed_and_clip.num_basis = 48", "train.epochs = 1")
+SMALL = ("dataset.public_size = 32", "gep.embed_and_clip.num_anchors = 32",
+         "gep.embed_and_clip.num_basis = 16", "train.epochs = 1")
 
 
 # each method's own numbers, drawn per trial (the board's method.json spaces)
@@ -107,8 +107,9 @@ def _group_minus_solo(runs, batching, twin=_honest, alone=None) -> list:
 VMAP_TOL = 1e-5
 
 
-@pytest.mark.parametrize("pipeline,batching", [("dpsgd", "vmap"), ("dpsgd", "map"),
-                                               ("rs", "map"), ("gep", "map")])
+# DP-SGD with map: the broken-twin test's honest group (bit-identical) covers it
+@pytest.mark.parametrize("pipeline,batching", [("dpsgd", "vmap"), ("rs", "map"),
+                                               ("gep", "map")])
 def test_a_trial_stepped_in_a_group_is_the_trial_stepped_alone(pipeline, batching):
     runs = _runs(pipeline, _knobs(np.random.default_rng(), pipeline))
     tol = VMAP_TOL if batching == "vmap" else 0.0

@@ -69,6 +69,10 @@ def grouped_seconds(workdir: Path, size: int) -> tuple:
     return wall, finished[0]["group"], [r["steps"] for r in finished], len(finished)
 
 
+def _fmt(value) -> str:
+    return "-" if value is None else f"{value:.1f}"
+
+
 def main(argv) -> None:
     del argv
     import jax
@@ -92,7 +96,7 @@ def main(argv) -> None:
             rows.append(dict(T=size, wall_s=wall, per_trial_s=per_trial,
                              solo_over_grouped=solo / per_trial, steps=sorted(set(steps)),
                              finished=finished,
-                             **{k: info[k] for k in ("batching", "knobs", "group_steps",
+                             **{k: info.get(k) for k in ("batching", "knobs", "group_steps",
                                                      "loop_s", "host_batch_s")}))
             print(json.dumps(rows[-1]), flush=True)
     report["rows"] = rows
@@ -105,8 +109,9 @@ def main(argv) -> None:
              "| T | batching | group wall s | per trial s | solo / grouped | loop s | of it, "
              "batches on the host s |", "|---|---|---|---|---|---|---|"]
     lines += [f"| {r['T']} | failed: {r['error'][:200]} |" if "error" in r else
-              f"| {r['T']} | {r['batching']} | {r['wall_s']:.1f} | {r['per_trial_s']:.2f} | "
-              f"{r['solo_over_grouped']:.2f}x | {r['loop_s']:.1f} | {r['host_batch_s']:.1f} |"
+              f"| {r['T']} | {r['batching'] or 'alone (the solo loop)'} | {r['wall_s']:.1f} | "
+              f"{r['per_trial_s']:.2f} | {r['solo_over_grouped']:.2f}x | {_fmt(r['loop_s'])} | "
+              f"{_fmt(r['host_batch_s'])} |"
               for r in rows]
     text = "\n".join(lines) + "\n"
     print(text)

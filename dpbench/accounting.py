@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.metadata
+import json
 import math
 from fractions import Fraction
 from typing import Callable
@@ -223,9 +224,28 @@ def _rdp_view(event: dp_event.DpEvent) -> tuple[dp_event.DpEvent, float]:
     return event, 0.0
 
 
+# epsilon_of's answers in this process, by everything they depend on. Why: a sweep's trials
+# share their (q, steps) and so most of the accountant calls of their calibrations (the
+# bracket's sigmas 1, 2, 0.5, ...), and a PLD call costs 0.1-0.5 s; the accountant is a pure
+# function of these inputs, so a remembered answer is the one it would give again.
+_EPSILONS: dict = {}
+_EPSILONS_KEPT = 4096
+
+
 def epsilon_of(event: dp_event.DpEvent, budget: Budget, delta: float | None = None) -> float:
     """The accountant's epsilon for ``event`` at ``delta`` (default: the budget's delta)."""
     delta = budget.delta if delta is None else delta
+    key = (json.dumps(event_to_json(event), sort_keys=True, default=repr), float(delta),
+           budget.accountant, budget.pld_discretization,
+           budget.epsilon if budget.accountant == "rdp" else None)  # rdp's overflow term
+    if key not in _EPSILONS:
+        if len(_EPSILONS) >= _EPSILONS_KEPT:
+            _EPSILONS.clear()
+        _EPSILONS[key] = _epsilon_of(event, budget, delta)
+    return _EPSILONS[key]
+
+
+def _epsilon_of(event: dp_event.DpEvent, budget: Budget, delta: float) -> float:
     accountant = make_accountant(budget)
     if budget.accountant == "rdp":
         event, overflow = _rdp_view(event)

@@ -179,3 +179,30 @@ def test_a_gaussian_lines_statement_fields_rebuild_its_own_epsilon(truncated):
     by_fields.compose(rebuilt, fields["count"])
     by_ledger.compose(line.composed())
     assert by_fields.get_epsilon(1e-5) == pytest.approx(by_ledger.get_epsilon(1e-5), rel=1e-9)
+
+
+def test_a_remembered_epsilon_is_the_accountants_answer_for_every_input_it_depends_on():
+    """epsilon_of remembers answers in-process (a sweep's calibrations share most of their
+    accountant calls): each variation of the event, delta, accountant, PLD discretization and
+    (rdp: the target, which sizes the overflow term) gets the accountant's own fresh answer,
+    asked a second time the same one, and never another variation's."""
+    rng = np.random.default_rng()
+    sigma, q = rng.uniform(0.8, 2.0), rng.uniform(0.005, 0.05)
+    steps = int(rng.integers(50, 200))
+    event = dp_event.SelfComposedDpEvent(dp_event.PoissonSampledDpEvent(
+        q, dp_event.GaussianDpEvent(sigma)), steps)
+    # truncated 7 standard deviations over its mean: an overflow small enough for delta,
+    # large enough that the target's share of it moves epsilon
+    truncated = dp_event.SelfComposedDpEvent(dp_event.TruncatedSubsampledGaussianDpEvent(
+        60000, q, int(q * 60000 + 7 * math.sqrt(q * 60000)), sigma), steps)
+    base = accounting.Budget(epsilon=3.0, delta=1e-5)
+    cases = [(event, base, None), (event, base, 1e-6),
+             (dp_event.SelfComposedDpEvent(event.event, steps + 1), base, None),
+             (event, accounting.Budget(3.0, 1e-5, accountant="rdp"), None),
+             (event, accounting.Budget(3.0, 1e-5, pld_discretization=2e-3), None),
+             (truncated, accounting.Budget(3.0, 1e-5, accountant="rdp"), None),
+             (truncated, accounting.Budget(8.0, 1e-5, accountant="rdp"), None)]
+    fresh = [accounting._epsilon_of(e, b, b.delta if d is None else d) for e, b, d in cases]
+    assert len(set(fresh)) == len(fresh), fresh  # every input matters somewhere
+    for _ in range(2):
+        assert [accounting.epsilon_of(e, b, d) for e, b, d in cases] == fresh

@@ -241,3 +241,22 @@ def test_a_trial_alone_runs_the_solo_loop_and_records_a_group_of_one(tmp_path, m
     solo = _solo_record(tmp_path / "solo", bindings)
     differ = [key for key in solo if key not in TIMINGS and record.get(key) != solo[key]]
     assert not differ, f"the trial alone differs from its solo record in {differ}"
+
+
+def test_a_group_over_its_memory_budget_is_halved_until_its_compiled_step_fits(tmp_path):
+    """The budget sits between XLA's buffer plans for a group of two and a group of three:
+    three trials train as a group of two (its plan, recorded, within the budget) and one
+    alone. The device's own budget (a CPU's: half its available memory) holds all three."""
+    files = ("pipelines/dpsgd/pipeline.gin", DIGITS)
+    bindings = [tuple(SMALL) + tuple(b) for b in _knobs(np.random.default_rng())]
+    probes = [run_group._traced(run_group._start(run_group.Trial(tmp_path / f"probe{i}", files,
+                                                                 b), False))
+              for i, b in enumerate(bindings)]
+    need = {n: run_group._compile_group(probes[:n], None).planned for n in (2, 3)}
+    assert 0 < need[2] < need[3], need
+    budget = (need[2] + need[3]) // 2
+    trials = [run_group.Trial(tmp_path / f"trial{i}", files, b) for i, b in enumerate(bindings)]
+    split = run_group.train_trials(trials, memory_budget=budget)
+    assert [r["group"]["size"] for r in split] == [2, 2, 1]
+    assert split[0]["group"]["planned_bytes"] == need[2] <= split[0]["group"]["budget_bytes"]
+    assert run_group.device_memory_budget() > need[3]  # a few MB: any test host has them

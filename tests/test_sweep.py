@@ -127,8 +127,9 @@ def test_an_interrupted_sweep_resumes_without_rerunning_a_finished_trial(finishe
     group = finished_sweep.records / GROUP
     plan = json.loads((group / sweep.SEARCH_FILE).read_text())
     assert plan["num_trials"] == 2
-    for name in RUNS:
-        assert (group / name / "run_record.json").exists(), name
+    for name in RUNS:  # each method's search: one pack, its two trials one group step
+        record = json.loads((group / name / "run_record.json").read_text())
+        assert record["group"]["size"] == 2, (name, record.get("group"))
     summary = tuning.search_summary(group)
     for method in ("dpsgd", OTHER):  # the winner, and only it, got the second seed
         winner = summary[method]["winner"]
@@ -382,9 +383,10 @@ def test_a_changed_protocol_is_refused_once_a_search_began(tmp_path):
     assert str(tmp_path / GROUP / sweep.SEARCH_FILE) in str(e.value)
 
 
-def _write_run(run_dir, wall_segments, record_wall=None):
+def _write_run(run_dir, wall_segments, record_wall=None, group_size=None):
     """A run directory whose metrics.jsonl logged ``wall_segments`` (one list of wall_s per
-    process that trained it), and a run record when record_wall is given."""
+    process that trained it), and a run record when record_wall is given (of a trial trained
+    in a group of ``group_size`` when given)."""
     run_dir.mkdir(parents=True)
     lines = []
     for segment in wall_segments:
@@ -394,26 +396,33 @@ def _write_run(run_dir, wall_segments, record_wall=None):
     lines.append('{"step": 9, "wall_s": 1')  # a line cut by a kill
     (run_dir / "metrics.jsonl").write_text("\n".join(lines) + "\n")
     if record_wall is not None:
-        (run_dir / "run_record.json").write_text(json.dumps({"wall_time_s": record_wall}))
+        record = {"wall_time_s": record_wall}
+        if group_size is not None:
+            record["group"] = {"size": group_size, "index": 0}
+        (run_dir / "run_record.json").write_text(json.dumps(record))
 
 
 def test_the_sweep_cost_sums_every_segment_of_every_run(tmp_path):
     """`dpbench sweep --cost`: per group, runs started and finished and the core-hours they
     took: each process's last logged wall time, the record's own for a finished run's last
-    segment (it covers the steps after the last log), times the CPUs per trial."""
+    segment (it covers the steps after the last log), times the CPUs per trial; a trial
+    trained in a group of T, 1/T of its group's process."""
     rng = np.random.default_rng()
     a, b, c = (float(x) for x in rng.uniform(100, 1000, size=3))
     _write_run(tmp_path / "g1" / "dpsgd-t0-seed0", [[10.0, a], [5.0, b]], record_wall=b + 7.0)
     _write_run(tmp_path / "g1" / "rs-t0-seed0", [[3.0, c]])  # interrupted, never finished
     _write_run(tmp_path / "g2" / "gep-t1-seed0", [[1.0, 2.0]], record_wall=2.5)
+    for t in (2, 3, 4, 5):  # four trials that shared one process of 40 s
+        _write_run(tmp_path / "g2" / f"gep-t{t}-seed0", [[1.0, 30.0]], record_wall=40.0,
+                   group_size=4)
     cost = sweep_cost.sweep_cost(tmp_path, cpus_per_trial=2.0)
     assert cost["g1"]["started"] == 2 and cost["g1"]["finished"] == 1
     assert cost["g1"]["core_hours"] == pytest.approx(2.0 * (a + b + 7.0 + c) / 3600)
-    assert cost["g2"]["core_hours"] == pytest.approx(2.0 * 2.5 / 3600)
+    assert cost["g2"]["core_hours"] == pytest.approx(2.0 * (2.5 + 40.0) / 3600)
     out = subprocess.run([sys.executable, "-m", "dpbench.sweep", "--cost",
                           f"--runs_dir={tmp_path}"], capture_output=True, text=True, check=True)
     assert "g1: 2 runs started, 1 finished" in out.stdout
-    assert f"total: {(a + b + 7.0 + c + 2.5) / 3600:.2f} core-hours" in out.stdout
+    assert f"total: {(a + b + 7.0 + c + 2.5 + 40.0) / 3600:.2f} core-hours" in out.stdout
 
 
 def test_the_sweeps_progress_is_read_from_its_published_records(tmp_path, capsys):
@@ -558,10 +567,12 @@ class _HalfThenFail:
         return self._f.__exit__(*exc)
 
 
-@pytest.mark.parametrize("path", ["finished before a restart", "just finished"])
+@pytest.mark.parametrize("path", ["finished before a restart", "just finished",
+                                  "a pack just finished"])
 def test_a_publish_that_fails_half_way_leaves_no_record(path, tmp_path, monkeypatch):
-    """run_job publishing a finished run's record, on either of its paths (the run finished
-    before the sweep restarted; the run it just launched finished), its write failing after
+    """run_job (and run_pack) publishing a finished run's record, on each of its paths (the run
+    finished before the sweep restarted; the run it just launched finished; the group process
+    of a pack finished it), its write failing after
     half the bytes (whatever file API publishing uses: builtins.open or os.fdopen): no record
     is under the records folder afterwards, partial or whole, so a resumed sweep or the board
     never reads a half-written record as a finished trial; the next call publishes it whole."""
@@ -578,7 +589,9 @@ def test_a_publish_that_fails_half_way_leaves_no_record(path, tmp_path, monkeypa
         def launched(command, **kwargs):
             (finished / "run_record.json").write_text(whole)
             return subprocess.CompletedProcess(command, 0)
-        monkeypatch.setattr(sweep.subprocess, "run", launched)
+        monkeypatch.setattr(subprocess, "run", launched)
+    publish = sweep.run_pack if path == "a pack just finished" else sweep.run_job
+    job = [job] if path == "a pack just finished" else job
     records = tmp_path / "records"
     real_open, real_fdopen = builtins.open, os.fdopen
 
@@ -592,12 +605,12 @@ def test_a_publish_that_fails_half_way_leaves_no_record(path, tmp_path, monkeypa
     monkeypatch.setattr(builtins, "open", faulty(real_open))
     monkeypatch.setattr(os, "fdopen", faulty(real_fdopen))
     with pytest.raises(OSError, match="injected"):
-        sweep.run_job(job)
+        publish(job)
     monkeypatch.setattr(builtins, "open", real_open)
     monkeypatch.setattr(os, "fdopen", real_fdopen)
     left = [p for p in records.rglob("*") if p.is_file()] if records.exists() else []
     assert left == [], left  # neither the record nor a temporary file
-    assert sweep.run_job(job)["validation_accuracy"] == 0.7  # the next call publishes it whole
+    assert publish(job)["validation_accuracy"] == 0.7  # the next call publishes it whole
     assert (records / GROUP / "dpsgd-t1-seed0" / "run_record.json").read_text() == whole
 
 
@@ -623,9 +636,10 @@ secrets.randbits = randbits
 """
 
 
-def _secret_search(root, protocol, seed_log) -> tuple:
-    """One secret search of ``protocol`` under ``root`` (runs/, records/), its trials run one
-    after another as run_secret's Tune phase runs them, each job in a JAX-free process.
+def _secret_search(root, protocol, seed_log, grouped=False) -> tuple:
+    """One secret search of ``protocol`` under ``root`` (runs/, records/), its trials run as
+    run_secret's Tune phase runs them, from a JAX-free process: one after another (a process
+    each), or ``grouped`` as one pack (one process training them as a group).
     Returns (the private group folder, the published group folder)."""
     root.mkdir()
     (root / "protocol.json").write_text(json.dumps(protocol))
@@ -641,9 +655,10 @@ def _secret_search(root, protocol, seed_log) -> tuple:
     (hook / "sitecustomize.py").write_text(SEED_LOGGER)
     env = dict(os.environ, DPBENCH_TEST_SEED_LOG=str(seed_log),
                PYTHONPATH=os.pathsep.join([str(hook), os.environ.get("PYTHONPATH", "")]))
-    for job in sweep._jobs(plans, "search", inside):
+    jobs = sweep._jobs(plans, "search", inside)
+    for work in ([("run_pack", jobs)] if grouped else [("run_job", job) for job in jobs]):
         done = run_guarded([sys.executable, "-c", "import json, sys; from dpbench import sweep; "
-                            "sweep.run_job(json.loads(sys.argv[1]))", json.dumps(job)],
+                            f"sweep.{work[0]}(json.loads(sys.argv[1]))", json.dumps(work[1])],
                            cwd=config.REPO_ROOT, env=env)
         assert done.returncode == 0, done.stderr[-3000:]
     sweep_secret.publish_selected(plans, private / "records", root / "records")
@@ -671,7 +686,8 @@ def _holds(path, seed: int) -> bool:
 
 
 def test_a_secret_search_trains_on_secret_noise_and_publishes_only_each_winner(tmp_path):
-    """--secret_trial_count, run twice on digits (K 2): J and the trials stay under
+    """--secret_trial_count, run twice on digits (K 2; a: a process per trial, b: both
+    trials trained as one group): J and the trials stay under
     --runs_dir/secret; the records get one run per method (the winner's, under a name without
     its trial index) and release.json, whose epsilon is dp_accounting's RepeatAndSelectDpEvent
     after trial 0 for the deployment's law. Every trial draws its seed from the OS: the two
@@ -687,7 +703,8 @@ def test_a_secret_search_trains_on_secret_noise_and_publishes_only_each_winner(t
     protocol["trials"] = {"fixed": 5, "seed": 7,  # the public board's K, not the secret one
                           "deployment": {"shape": 1, "mean_random": 1}}  # J = 1 surely
     seed_log = tmp_path / "seeds.log"
-    searches = [_secret_search(tmp_path / name, protocol, seed_log) for name in ("a", "b")]
+    searches = [_secret_search(tmp_path / name, protocol, seed_log, grouped=name == "b")
+                for name in ("a", "b")]
     private, published_group = searches[0]
     published = sorted(str(p.relative_to(tmp_path / "a" / "records"))
                        for p in (tmp_path / "a" / "records").rglob("*") if p.is_file())
@@ -725,6 +742,9 @@ def test_a_secret_search_trains_on_secret_noise_and_publishes_only_each_winner(t
     assert "written to no file" in record["privacy_statement"]["statement"]
     assert release["seed"].startswith("secret") and "no file holds it" in release["statement"]
     plan_path = private / sweep.SEARCH_FILE
+    grouped = json.loads((tmp_path / "b" / "runs" / "secret" / "records" / GROUP /
+                          "dpsgd-t0-seedsecret" / "run_record.json").read_text())
+    assert grouped["group"]["size"] == 2 and grouped["seed"] is None  # b's trials: one group
     plan = json.loads(plan_path.read_text())
     assert plan["num_trials"] == 2 and plan["trials_law"] == {"shape": 1, "mean_random": 1}
     assert plan["seeds"] == [None]

@@ -96,8 +96,7 @@ class Pool:
                 self.jobs.append(job)
 
     def _is_published(self, job) -> bool:
-        target = self.sweep._published(job)
-        return (target / "run_record.json").exists() or (target / "diverged.json").exists()
+        return self.sweep.is_published(job)
 
     def _maybe_seeds(self, group):
         plan = self.plans[group]

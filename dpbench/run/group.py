@@ -10,11 +10,18 @@ its step, its place among them, and the batching.
 A trial past its planned steps takes no step (the group step leaves its state as it was) and
 is charged nothing: its ledger and record count the steps it took. A trial that diverges stops
 alone; the others go on.
+
+A group's size is the device's to decide: its step is compiled for all its trials and XLA's
+buffer plan for it (``memory_analysis``) must fit ``MEMORY_FRACTION`` of the device's free
+memory, or the group is halved and compiled again (the executable that fits is the one that
+runs). The record's ``group`` keeps the plan's bytes and the budget.
 """
 
 from __future__ import annotations
 
 import json
+import math
+import os
 import time
 from pathlib import Path
 from typing import NamedTuple, Optional, Sequence
@@ -49,6 +56,39 @@ class _Started(NamedTuple):
     operative_config: str
     idle_batch: dict      # a batch of the right shapes for the steps it does not take
     traced: Optional[group_lib.Traced] = None
+
+
+MEMORY_FRACTION = 0.5  # of the device's free memory a group's step may plan for: the rest is
+#                       the data, the evaluation and the runtime's own
+
+
+def device_memory_budget() -> int:
+    """Bytes a group's compiled step may plan for: ``MEMORY_FRACTION`` of what the first
+    device reports free (an accelerator's allocator limit less what is in use; a CPU's, the
+    host's available memory)."""
+    stats = jax.devices()[0].memory_stats() or {}
+    if "bytes_limit" in stats:
+        free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
+    else:
+        free = _host_available_bytes()
+    return int(free * MEMORY_FRACTION)
+
+
+def _host_available_bytes() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            fields = dict(line.split(":", 1) for line in f)
+        return int(fields["MemAvailable"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError):  # not Linux: the free pages
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def planned_bytes(compiled) -> int:
+    """The peak of XLA's buffer plan for a compiled function: its arguments, its outputs
+    that do not reuse a donated argument, and its temporaries."""
+    plan = compiled.memory_analysis()
+    return int(plan.argument_size_in_bytes + plan.output_size_in_bytes
+               - plan.alias_size_in_bytes + plan.temp_size_in_bytes)
 
 
 def _stack(trees):
@@ -101,11 +141,46 @@ class _Counts:
         return count
 
 
-def _train_group(members: list, batching: Optional[str]) -> list:
+class _Compiled(NamedTuple):
+    members: list        # _Started
+    step: Optional[group_lib.GroupStep] = None   # None: a trial alone
+    executable: object = None
+    planned: int = 0
+
+
+def _stacked_shapes(trees):
+    return jax.tree.map(lambda *x: jax.ShapeDtypeStruct((len(x),) + x[0].shape, x[0].dtype),
+                        *trees)
+
+
+def _compile_group(members: list, batching: Optional[str]) -> _Compiled:
+    step = group_lib.group_step([m.traced for m in members], batching=batching)
+    ends = jax.ShapeDtypeStruct((len(members),), jnp.int32)
+    executable = jax.jit(step.step, donate_argnums=(2,)).lower(
+        step.knobs, ends, _stacked_shapes([m.started.state for m in members]),
+        _stacked_shapes([m.idle_batch for m in members])).compile()
+    return _Compiled(members, step, executable, planned_bytes(executable))
+
+
+def fitting_groups(members: list, batching: Optional[str], budget: int) -> list:
+    """``members`` compiled as one group step, halved until each part's buffer plan fits
+    ``budget`` bytes; a part of one trial is left alone (the solo loop)."""
+    if len(members) == 1:
+        return [_Compiled(members)]
+    compiled = _compile_group(members, batching)
+    if compiled.planned <= budget:
+        return [compiled]
+    logging.info("a group of %d trials plans %.3g GB, over its budget of %.3g GB: halved",
+                 len(members), compiled.planned / 1e9, budget / 1e9)
+    half = math.ceil(len(members) / 2)
+    return (fitting_groups(members[:half], batching, budget)
+            + fitting_groups(members[half:], batching, budget))
+
+
+def _train_group(group: _Compiled, budget: int) -> list:
     """Trains one group to the end of its last trial; returns each trial's record or the
     TrainingDiverged that stopped it."""
-    step = group_lib.group_step([m.traced for m in members], batching=batching)
-    jitted = jax.jit(step.step, donate_argnums=(2,))
+    members, step, jitted = group.members, group.step, group.executable
     knobs = jax.device_put(step.knobs)
     shared = members[0].loop.eval_fn  # one model: one compiled evaluation for the group
     members = [m._replace(loop=m.loop._replace(eval_fn=shared)) for m in members]
@@ -146,7 +221,8 @@ def _train_group(members: list, batching: Optional[str]) -> list:
                 m.loop.ckpts.close()
     jax.block_until_ready(states)
     info = dict(size=len(members), batching=step.batching, knobs=len(step.knobs),
-                group_steps=group_steps, loop_s=time.time() - t_start, host_batch_s=host_s)
+                group_steps=group_steps, loop_s=time.time() - t_start, host_batch_s=host_s,
+                planned_bytes=group.planned, budget_bytes=budget)
     logging.info("the group's %d steps took %.1f s, %.1f s of it drawing and placing batches",
                  group_steps, info["loop_s"], host_s)
     for i, m in enumerate(members):
@@ -174,11 +250,14 @@ def _train_alone(member: _Started):
 
 
 def train_trials(trials: Sequence[Trial], overwrite: bool = False,
-                 max_group_size: Optional[int] = None, batching: Optional[str] = None) -> list:
+                 max_group_size: Optional[int] = None, batching: Optional[str] = None,
+                 memory_budget: Optional[int] = None) -> list:
     """Trains ``trials`` in groups (each group one compiled step); returns, per trial in
     order, its run record or the TrainingDiverged that stopped it. Each trial's workdir holds
     what ``dpbench train`` would leave there (resumed from its own checkpoints when it has
-    some). ``max_group_size`` caps a group; ``batching``: compiler/group.default_batching."""
+    some). ``max_group_size`` caps a group; ``memory_budget`` (bytes; default
+    :func:`device_memory_budget`) caps its compiled step's buffer plan; ``batching``:
+    compiler/group.default_batching."""
     outcomes: list = [None] * len(trials)
     todo = []
     for i, trial in enumerate(trials):
@@ -193,22 +272,35 @@ def train_trials(trials: Sequence[Trial], overwrite: bool = False,
         outcomes[i] = _train_alone(started[i])
         return outcomes
     started = {i: _traced(s) for i, s in started.items()}
+    budget = device_memory_budget() if memory_budget is None else memory_budget
     for members in pack([started[i].traced for i in todo], max_group_size):
         indices = [todo[k] for k in members]
-        for i, result in zip(indices, _train_group([started[i] for i in indices], batching)):
-            outcomes[i] = result
+        by_trial = {id(started[i]): i for i in indices}
+        for group in fitting_groups([started[i] for i in indices], batching, budget):
+            results = ([_train_alone(group.members[0])] if group.step is None
+                       else _train_group(group, budget))
+            for member, result in zip(group.members, results):
+                outcomes[by_trial[id(member)]] = result
     return outcomes
 
 
 def main(argv: Sequence[str]) -> None:
-    """``python -m dpbench.run.group TRIALS.json``: the trials of a JSON list of {workdir,
-    gin_files, bindings} trained in groups (what a sweep's worker runs)."""
+    """``python -m dpbench.run.group TRIALS.json [OUTCOMES.json]``: the trials of a JSON list
+    of {workdir, gin_files, bindings} trained in groups (what a sweep's worker runs); each
+    trial's outcome ('finished' or 'diverged', with the divergence's message) is printed and,
+    when OUTCOMES.json is given, written there atomically once every trial has one."""
     spec = json.loads(Path(argv[1]).read_text())
     trials = [Trial(Path(t["workdir"]), tuple(t.get("gin_files", ())),
                     tuple(t.get("bindings", ()))) for t in spec]
+    outcomes = []
     for trial, outcome in zip(trials, train_trials(trials)):
-        status = "diverged" if isinstance(outcome, Exception) else "finished"
-        print(f"{trial.workdir}: {status}", flush=True)
+        diverged = isinstance(outcome, Exception)
+        outcomes.append(dict(workdir=str(trial.workdir),
+                             outcome="diverged" if diverged else "finished",
+                             message=str(outcome) if diverged else None))
+        print(f"{trial.workdir}: {outcomes[-1]['outcome']}", flush=True)
+    if len(argv) > 2:
+        records.atomic_write_text(Path(argv[2]), json.dumps(outcomes, indent=1) + "\n")
 
 
 if __name__ == "__main__":

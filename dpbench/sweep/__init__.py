@@ -25,20 +25,18 @@ cluster instead (its workers need dpbench installed at the same path).
 from __future__ import annotations
 
 import argparse
-import fcntl
 import hashlib
 import json
 import os
-import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
 
-from dpbench import records as records_lib
 from dpbench.cli_args import FlagParser
 from dpbench.search import tuning
 from dpbench.sweep import cost as sweep_cost
+from dpbench.sweep.jobs import (LAUNCH_LOG, is_published, pack_jobs, published, result,
+                                run_job, run_pack)
 from dpbench.sweep import planning as sweep_plan
 from dpbench.sweep import secret as sweep_secret
 from dpbench.search.protocol import ProtocolError, load_protocol
@@ -47,91 +45,12 @@ from dpbench.sweep.planning import prepare
 
 REPO = Path(__file__).resolve().parents[2]
 SEARCH_FILE, DIVERGED, run_dir_name = tuning.SEARCH_FILE, tuning.DIVERGED, tuning.run_dir_name
-LAUNCH_LOG = "launches.log"  # one line per dpbench run a trial started (tests read it)
-
-
-def _lock_free_core(lock_dir: Path):
-    """(core, open lock file) for a core no other trial of this machine holds, or (None, None).
-    Why: two processes each pinned to one core ran 1.7x the steps of unpinned ones here."""
-    if not hasattr(os, "sched_getaffinity"):
-        return None, None
-    lock_dir.mkdir(parents=True, exist_ok=True)
-    for core in sorted(os.sched_getaffinity(0)):
-        handle = open(lock_dir / f"core{core}.lock", "w")
-        try:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            return core, handle
-        except OSError:
-            handle.close()
-    return None, None
-
-
-def _child_setup(core) -> None:
-    """In the dpbench child: die with the Ray worker (an interrupted sweep must leave no run
-    writing into a workdir that the restored trial resumes), and pin to ``core``."""
-    if sys.platform.startswith("linux"):
-        import ctypes
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    if core is not None:
-        os.sched_setaffinity(0, {core})
-
-
-def _published(job: dict) -> Path:
-    return Path(job["records"]) / job["group"] / run_dir_name(job["method"], job["trial"],
-                                                             job["seed"])
-
-
-def _result(target: Path) -> dict:
-    if (target / DIVERGED).exists():
-        return dict(validation_accuracy=-1.0, diverged=True)
-    record = json.loads((target / records_lib.RECORD_NAME).read_text())
-    return dict(validation_accuracy=record["validation_accuracy"], diverged=False)
-
-
-def run_job(job: dict) -> dict:
-    """Trains one trial with the dpbench command and publishes what it left. Skips a trial
-    whose record is already published."""
-    target = _published(job)
-    if (target / records_lib.RECORD_NAME).exists() or (target / DIVERGED).exists():
-        return _result(target)
-    workdir = Path(job["runs_dir"]) / job["group"] / target.name
-    workdir.parent.mkdir(parents=True, exist_ok=True)
-    if (workdir / records_lib.RECORD_NAME).exists():
-        # it finished, but the sweep was stopped before publishing it: publish, never rerun
-        records_lib.publish_record(workdir, target)
-        return _result(target)
-    command = [sys.executable, "-m", "dpbench.main", f"--workdir={workdir}",
-               *[f"--gin_file={f}" for f in job["gin_files"]],
-               *[f"--gin_bindings={b}" for b in job["bindings"]],
-               f"--gin_bindings=EPSILON = {job['epsilon']}",
-               f"--gin_bindings=DELTA = {job['delta']!r}",
-               f"--gin_bindings=train.seed = {job['seed']}"]
-    with open(Path(job["runs_dir"]) / LAUNCH_LOG, "a") as log:
-        log.write(f"{job['group']}/{target.name}\n")
-    core, lock = _lock_free_core(Path(job["runs_dir"]) / "core-locks")
-    try:
-        with open(workdir.parent / f"{workdir.name}.log", "a") as log:
-            proc = subprocess.run(command, cwd=job["repo"], stdout=log, stderr=log,
-                                  preexec_fn=lambda: _child_setup(core))
-    finally:
-        if lock is not None:
-            lock.close()
-    if proc.returncode == 0 and (workdir / records_lib.RECORD_NAME).exists():
-        records_lib.publish_record(workdir, target)
-        return _result(target)
-    tail = (workdir.parent / f"{workdir.name}.log").read_text()[-2000:]
-    if "training diverged" in tail:
-        records_lib.atomic_write_text(target / DIVERGED, json.dumps(
-            dict(job={k: job[k] for k in ("group", "method", "trial", "seed", "bindings")},
-                 log_tail=tail[-600:]), indent=1) + "\n")
-        return _result(target)
-    raise RuntimeError(f"{target.name} failed (exit {proc.returncode}); log: {workdir}.log:\n"
-                       f"{tail[-800:]}")
 
 
 def _trainable(config: dict) -> None:
     from ray import tune
-    tune.report(run_job(config["job"]))
+    jobs = config["jobs"]
+    tune.report(run_job(jobs[0]) if len(jobs) == 1 else run_pack(jobs))
 
 
 def _jobs(plans, phase: str, args, winners=None) -> list:
@@ -159,32 +78,36 @@ def winners_of(plans, records: Path) -> dict:
             validation = {}
             for trial in range(plan["num_trials"]):
                 target = records / plan["group"] / run_dir_name(method, trial, plan["seeds"][0])
-                result = _result(target)
-                validation[trial] = None if result["diverged"] else result["validation_accuracy"]
+                done = result(target)
+                validation[trial] = None if done["diverged"] else done["validation_accuracy"]
             out[(plan["group"], method)] = tuning.choose_trial(validation)
     return out
 
 
 def run_phase(name: str, jobs: list, args) -> list:
-    """One Tune experiment over ``jobs`` (restored when it exists). Returns the failed jobs,
-    each with its error."""
+    """One Tune experiment over ``jobs`` in packs (jobs.pack_jobs; restored when it exists).
+    Returns the jobs left unpublished, each with its pack's error."""
     if not jobs:  # e.g. the seeds phase of a protocol with one seed (Tune fails on no trials)
         return []
+    import ray
     from ray import tune
+    workers = int(ray.cluster_resources().get("CPU", 1) // args.cpus_per_trial) or 1
+    packs = pack_jobs(jobs, args.group_size, workers)
     storage = (args.runs_dir / "tune").resolve()
-    key = hashlib.sha256(json.dumps(jobs, sort_keys=True).encode()).hexdigest()[:10]
+    key = hashlib.sha256(json.dumps(packs, sort_keys=True).encode()).hexdigest()[:10]
     path = storage / f"{name}-{key}"
     trainable = tune.with_resources(_trainable, {"cpu": args.cpus_per_trial})
     if tune.Tuner.can_restore(str(path)):
         print(f"restoring {path}", flush=True)
         tuner = tune.Tuner.restore(str(path), trainable, resume_errored=True)
     else:
-        tuner = tune.Tuner(trainable, param_space={"job": tune.grid_search(jobs)},
+        tuner = tune.Tuner(trainable, param_space={"jobs": tune.grid_search(packs)},
                            tune_config=tune.TuneConfig(reuse_actors=False),
                            run_config=tune.RunConfig(storage_path=str(storage), name=path.name,
                                                      verbose=1))
     results = tuner.fit()
-    return [(r.config["job"], str(r.error)) for r in results if r.error is not None]
+    return [(job, str(r.error)) for r in results if r.error is not None
+            for job in r.config["jobs"] if not is_published(job)]
 
 
 def _run_secret(plans, args, private: Path, t0: float) -> int:
@@ -240,7 +163,12 @@ def _parser():
                              "or auto); refused within 30 s when nothing answers there")
     parser.add_argument("--cpus", type=int, default=None, help="CPUs of the local Ray instance")
     parser.add_argument("--cpus_per_trial", type=float, default=1.0,
-                        help="CPUs Ray reserves for each trial")
+                        help="CPUs Ray reserves for each Tune trial")
+    parser.add_argument("--group_size", type=int, default=0,
+                        help="trials of one method and group trained by one compiled step "
+                             "(dpbench/run/group.py), at most; 0 (default): as many as the "
+                             "device's memory holds, split to fill every worker; 1: one "
+                             "`dpbench train` process per trial")
     parser.add_argument("--prepare_only", action="store_true",
                         help="write each group's search.json (trials, support events) and stop")
     parser.add_argument("--official_board", action="store_true",

@@ -14,10 +14,17 @@ from dpbench.search import junk as search_junk
 from dpbench.search import tuning
 
 
+def _share(record: dict) -> float:
+    """A run's share of the process that trained it: 1, or 1/T for one of a group of T trials
+    (dpbench/run/group.py), whose wall time is its whole group's."""
+    return 1.0 / ((record.get("group") or {}).get("size") or 1)
+
+
 def _segments(run_dir: Path) -> list:
     """Wall seconds of each process that trained the run: a process's last logged ``wall_s``
     (each process restarts the clock, so a drop starts a segment); a finished run's last
-    segment is its record's ``wall_time_s``, which also covers the steps after the last log."""
+    segment is its record's ``wall_time_s``, which also covers the steps after the last log.
+    A finished run trained in a group counts its share of each (an unfinished one, whole)."""
     segments, last = [], None
     for line in (run_dir / "metrics.jsonl").read_text().splitlines():
         try:
@@ -33,8 +40,9 @@ def _segments(run_dir: Path) -> list:
         segments.append(last)
     record = run_dir / records.RECORD_NAME
     if record.exists():
-        final = json.loads(record.read_text())["wall_time_s"]
-        segments[-1:] = [max(final, segments[-1] if segments else 0.0)]
+        finished = json.loads(record.read_text())
+        segments[-1:] = [max(finished["wall_time_s"], segments[-1] if segments else 0.0)]
+        segments = [s * _share(finished) for s in segments]
     return segments
 
 
@@ -67,8 +75,9 @@ def progress(records_dir: Path) -> dict:
     "left_core_hours"}} of every group under ``records_dir`` with a search.json: runs published
     (records and diverged runs) of those its search and retrains will publish, the junk rate so
     far (``search.junk.junk_rate``), the core-hours of the published records made on a CPU
-    (their wall_time_s, one CPU each), the GPU-worker hours of those made on a GPU (wall time
-    of a run sharing one GPU with others: not core time), and an estimate of the rest on CPUs:
+    (their wall_time_s, one CPU each; a grouped run's share of its group's), the GPU-worker
+    hours of those made on a GPU (wall time of a run sharing one GPU with others: not core
+    time), and an estimate of the rest on CPUs:
     each unpublished run at the median wall time of its method's CPU runs in the group, else
     in the family's other groups (None when a method has none anywhere)."""
     groups = sorted(p.parent for p in Path(records_dir).glob(f"*/{tuning.SEARCH_FILE}"))
@@ -82,7 +91,8 @@ def progress(records_dir: Path) -> dict:
                 if not (run_dir / records.RECORD_NAME).exists():
                     continue
                 record = json.loads((run_dir / records.RECORD_NAME).read_text())
-                (gpu_walls if _on_gpu(record) else walls)[key].append(record["wall_time_s"])
+                (gpu_walls if _on_gpu(record) else walls)[key].append(
+                    record["wall_time_s"] * _share(record))
     out = {}
     for group_dir in groups:
         plan = json.loads((group_dir / tuning.SEARCH_FILE).read_text())

@@ -2,7 +2,7 @@
 
   dpbench sweep [--protocol=leaderboard/protocol.json] [--families F ...] [--epsilons E ...]
                 [--methods M ...] [--runs_dir=runs/sweep] [--records=leaderboard/records]
-                [--address=ray://host:10001] [--cpus_per_trial=1]
+                [--address=ray://host:10001] [--cpus_per_trial=1] [--group_size=0]
   dpbench sweep --cost [--runs_dir=runs/sweep]   (core-hours the runs took, per group)
   dpbench sweep --progress [--records=DIR]       (where a sweep stands, from its records)
 
@@ -10,15 +10,18 @@ Per group (family, epsilon) of the protocol (dpbench/search/tuning.py):
   1. prepare: J is drawn, every method's K = 1 + J trial bindings are fixed, and the event of
      every point of the space's privacy support is computed (no training); all of it goes to
      ``<records>/<group>/search.json`` once (a rerun checks the protocol has not changed);
-  2. search: every method's K trials on seed 0, one Tune trial each;
+  2. search: every method's K trials on seed 0;
   3. seeds: each method's winner on validation (the board's rule) on the other seeds.
-Each dpbench run trains in ``<runs_dir>/<group>/<method>-t<trial>-seed<seed>`` (its own
-checkpoints: a trial Tune restarts resumes) and its record is published atomically to
+A Tune trial is a pack of one method's trials (sweep/jobs.py): one process trains them as
+groups, one compiled step per group (dpbench/run/group.py; ``--group_size`` caps a pack, and
+``--group_size=1`` runs one ``dpbench train`` process per trial). Each trial trains in
+``<runs_dir>/<group>/<method>-t<trial>-seed<seed>`` (its own checkpoints: a trial Tune
+restarts resumes) and its record is published atomically to
 ``<records>/<group>/<method>-t<trial>-seed<seed>/run_record.json``; a run that diverges
 publishes ``diverged.json`` there instead (a trial it was, and it can never win). Both phases
 are Tune experiments under ``<runs_dir>/tune/``: rerunning the same command restores them with
-Tune's own restore, so no finished trial runs again. Locally Ray gets every core and each trial
-one (``--cpus_per_trial``), pinned to a free core when one is; ``--address`` joins a running Ray
+Tune's own restore, so no finished trial runs again. Locally Ray gets every core and each Tune
+trial one (``--cpus_per_trial``), pinned to a free core when one is; ``--address`` joins a running Ray
 cluster instead (its workers need dpbench installed at the same path).
 """
 

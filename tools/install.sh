@@ -38,7 +38,8 @@ quiet_pip install -q -c tools/constraints.txt -e ".${extras}"
 if [ -n "$cuda" ]; then
   jax_version=$(grep -E '^jax==' tools/constraints.txt | cut -d= -f3)
   quiet_pip install -q "jax[cuda${cuda}]==${jax_version}"
-  .venv/bin/python -c "import jax; print('install.sh: JAX sees', jax.devices())"
+  # refused (exit 1, one line) when JAX fell back to the CPU: a GPU run would train on it
+  .venv/bin/python tools/check_jax_gpu.py "$cuda"
 fi
 .venv/bin/python -c "import dpbench, jax, dp_accounting, gin, optax, flax" \
   || { echo "install.sh: dpbench did not install" >&2; exit 1; }

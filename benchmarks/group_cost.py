@@ -14,6 +14,7 @@ added back once as the measured import time) divided by T.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -73,11 +74,39 @@ def _fmt(value) -> str:
     return "-" if value is None else f"{value:.1f}"
 
 
+def host_name() -> str:
+    """The CPU's model name and the cores this process may use."""
+    model = "an unnamed CPU"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return f"{model}, {cores} cores"
+
+
+def commit() -> str:
+    """The checkout's commit (+ 'dirty' when it has uncommitted changes)."""
+    git = ["git", "-C", str(Path(__file__).resolve().parents[1])]
+    try:
+        head = subprocess.run(git + ["rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, check=True).stdout.strip()
+        dirty = subprocess.run(git + ["status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "an unknown commit"
+    return head + (" (dirty)" if dirty else "")
+
+
 def main(argv) -> None:
     del argv
     import jax
     report = dict(command=" ".join(["python -m benchmarks.group_cost", *sys.argv[1:]]),
                   device=str(jax.devices()[0]), platform=jax.default_backend(),
+                  host=host_name(), commit=commit(),
                   gin_files=FLAGS.gin_file, bindings=FLAGS.binding)
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
@@ -101,7 +130,7 @@ def main(argv) -> None:
             print(json.dumps(rows[-1]), flush=True)
     report["rows"] = rows
     lines = [f"# Cost per trial, grouped vs one process per trial ({report['device']})", "",
-             f"`{report['command']}`", "",
+             f"`{report['command']}` on {report['host']}, at {report['commit']}", "",
              f"Trials: {', '.join(FLAGS.gin_file)}; {'; '.join(FLAGS.binding)}; each its own "
              "learning rate, clip bound and seed. Solo: one `python -m dpbench.main` process per "
              f"trial, mean of {len(report['solo_s'])}: {solo:.1f} s (imports alone: "

@@ -440,3 +440,11 @@ def test_perf_on_device_refuses_an_unknown_set_or_a_missing_out_before_any_work(
                             env=env, timeout=60)
     assert no_out.returncode != 0 and "set OUT" in no_out.stderr
     assert list(tmp_path.iterdir()) == []
+
+
+def test_the_norm_routes_benchmark_times_both_routes_and_says_what_the_rule_picks():
+    from benchmarks import norm_routes
+    few = norm_routes.time_routes(4, 256, 32, batch=4, repeats=1)
+    many = norm_routes.time_routes(64, 8, 4, batch=4, repeats=1)
+    assert few["ghost_s"] > 0 and few["kernel_s"] > 0
+    assert (few["rule_picks"], many["rule_picks"]) == ("ghost", "kernel")

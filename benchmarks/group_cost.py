@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -104,7 +105,8 @@ def commit() -> str:
 def main(argv) -> None:
     del argv
     import jax
-    report = dict(command=" ".join(["python -m benchmarks.group_cost", *sys.argv[1:]]),
+    argv_shown = map(shlex.quote, sys.argv[1:])
+    report = dict(command=" ".join(["python -m benchmarks.group_cost", *argv_shown]),
                   device=str(jax.devices()[0]), platform=jax.default_backend(),
                   host=host_name(), commit=commit(),
                   gin_files=FLAGS.gin_file, bindings=FLAGS.binding)

@@ -343,10 +343,19 @@ COMMUNICATION_SCRIPT = textwrap.dedent("""
         b = compiled.sampler.sample(0)
         batch = make_batch(compiled, images, labels, b.indices, b.mask, step=0)
         text = compiled.step.lower(state, batch).compile().as_text()
-        found = re.findall(r"= (\\S+) (all-gather|all-reduce|all-to-all)\\(", text)
+        found, where = [], None
+        for line in text.splitlines():  # (shape, kind, in the entry computation: not a loop)
+            head = re.match(r"^(ENTRY )?%?\\S+ .*\\{{$", line)
+            where = bool(head.group(1)) if head else where
+            op = re.search(r"= (.+?) (all-gather|all-reduce|all-to-all)\\(", line)
+            if op:
+                found.append((op.group(1), op.group(2), where))
         return dict(strategy=compiled.plan.strategy,
-                    gathered=[s for s, k in found if k != "all-reduce"],
-                    reduced=[s for s, k in found if k == "all-reduce"])
+                    gathered=[s for s, k, _ in found if k != "all-reduce"],
+                    reduced=[s for s, k, _ in found if k == "all-reduce"],
+                    # every all-reduce of a non-scalar (the sums), and whether in the entry
+                    summed=[(s, entry) for s, k, entry in found
+                            if k == "all-reduce" and re.search(r"\\[\\d", s)])
 
     for name, model, augmult in (("tanh_cnn", "tanh_cnn", 1), ("tanh_cnn_augmult", "tanh_cnn", 2),
                                  ("wrn_10_1_augmult", "wrn", 2), ("mlp", "mlp", 1)):
@@ -365,7 +374,8 @@ def test_the_sharded_step_gathers_no_batch_and_refuses_the_knob_that_would():
     """On 8 fake CPU devices, the compiled step of the tanh CNN (with and without augmentation
     multiplicity), of a WRN-10-1 with augmentation multiplicity and of an MLP, book-keeping as
     real runs use it, holds no all-gather (nor
-    all-to-all): each device keeps its shard of the batch and the clipped sums are all-reduced.
+    all-to-all): each device keeps its shard of the batch, sums its own examples over every
+    micro-batch, and the clipped sums are all-reduced once, after the loop.
     train.conv_grads = 'convolution' (its per-example kernels by a vmapped, i.e. grouped,
     weight-gradient convolution) makes XLA all-gather the micro-batch's images onto every
     device (measured below, and openxla's issue 47945 on GPUs), so a mesh of more than one
@@ -374,7 +384,10 @@ def test_the_sharded_step_gathers_no_batch_and_refuses_the_knob_that_would():
     for name in ("tanh_cnn", "tanh_cnn_augmult", "wrn_10_1_augmult", "mlp"):
         assert out[name]["strategy"] == "bookkeeping", name
         assert out[name]["gathered"] == [], (name, out[name]["gathered"])
-        assert out[name]["reduced"], name  # the sums are reduced, not gathered
+        # the clipped sum is all-reduced once a step, after the micro-batch loop (one tuple
+        # of every parameter-sized sum, in the entry computation), never inside the loop
+        summed = out[name]["summed"]
+        assert len(summed) == 1 and summed[0][1] is True, (name, summed)
     assert "all-gathers the batch" in out["refused"] and "'patches'" in out["refused"]
     # the check can fail: the refused knob's step gathers the micro-batch's 64 augmented images
     assert "f32[64,16,16,1]" in " ".join(out["convolution"]["gathered"])

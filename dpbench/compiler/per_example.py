@@ -20,7 +20,8 @@ from dpbench.compiler.plan import Plan, StepOptions
 EXAMPLE_KEYS = ("image", "label")
 
 
-def masked_sum(per_example: Callable, batch: dict, branch_free: bool = False) -> tuple:
+def masked_sum(per_example: Callable, batch: dict, branch_free: bool = False,
+               device_partials: int = 1) -> tuple:
     """Sum over the batch's real examples of ``per_example(example, position) -> (value, aux)``.
 
     The batch is [micro_steps, micro_batch, ...]; micro-batches run under lax.scan (memory stays
@@ -28,6 +29,7 @@ def masked_sum(per_example: Callable, batch: dict, branch_free: bool = False) ->
     is skipped (it contributes exactly zero), unless ``branch_free``: then every micro-batch
     runs (one of padding only adds zeros) and the loop has no data-dependent conditional. The
     one clipped-sum function of the compiler: the step and the one-off release both use it.
+    ``device_partials``: StepOptions.device_partials.
     """
     examples = {k: batch[k] for k in EXAMPLE_KEYS}
     micro_steps, micro_batch_size = batch["mask"].shape
@@ -39,7 +41,9 @@ def masked_sum(per_example: Callable, batch: dict, branch_free: bool = False) ->
 
     def compute(micro):
         example, mask, position = micro
-        out = jax.vmap(per_example, spmd_axis_name=sharding.DATA_AXIS)(example, position)
+        # with per-device partial sums the examples are already split over the data axis
+        axis = None if device_partials > 1 else sharding.DATA_AXIS
+        out = jax.vmap(per_example, spmd_axis_name=axis)(example, position)
 
         def masked(v):
             m = mask.reshape(mask.shape + (1,) * (v.ndim - 1))
@@ -53,19 +57,36 @@ def masked_sum(per_example: Callable, batch: dict, branch_free: bool = False) ->
 
         return jax.tree.map(masked, out)
 
-    return _scan_sum(compute, (examples, batch["mask"], positions), 1, zeros, branch_free)
+    return _scan_sum(compute, (examples, batch["mask"], positions), 1, zeros, branch_free,
+                     device_partials)
 
 
-def _scan_sum(compute: Callable, xs: tuple, mask_at: int, zeros, branch_free: bool):
+def _scan_sum(compute: Callable, xs: tuple, mask_at: int, zeros, branch_free: bool,
+              device_partials: int = 1):
     """The sum over micro-batches of ``compute(x)``, x a micro-batch's slice of ``xs`` (whose
     ``mask_at``-th member is its mask), under lax.scan: one with no real example is skipped by
-    a lax.cond (it contributes exactly zero), or with ``branch_free`` runs and adds zeros."""
+    a lax.cond (it contributes exactly zero), or with ``branch_free`` runs and adds zeros.
+
+    With ``device_partials`` D > 1 every micro-batch is split into D equal parts along its
+    examples, ``compute`` vmapped over the parts on the mesh's data axis: the loop carries D
+    partial sums, one on each device, and adds them once after the loop."""
+    if device_partials > 1:
+        whole = compute
+
+        def compute(x):
+            parts = jax.tree.map(lambda v: v.reshape(
+                (device_partials, v.shape[0] // device_partials) + v.shape[1:]), x)
+            return jax.vmap(whole, spmd_axis_name=sharding.DATA_AXIS)(parts)
+
+        zeros = jax.tree.map(lambda z: jnp.zeros((device_partials,) + z.shape, z.dtype), zeros)
+
     def body(total, x):
         part = compute(x) if branch_free else jax.lax.cond(
             jnp.any(x[mask_at]), compute, lambda _: zeros, x)
         return jax.tree.map(jnp.add, total, part), None
 
-    return jax.lax.scan(body, zeros, xs)[0]
+    total = jax.lax.scan(body, zeros, xs)[0]
+    return total if device_partials == 1 else jax.tree.map(lambda t: jnp.sum(t, 0), total)
 
 
 def _augmented_copies(grad_stage, step_key, images, labels, positions):
@@ -126,7 +147,8 @@ def _bookkeeping_sum_fn(plan: Plan, options: StepOptions):
                                            elementwise, copies, options.branch_free,
                                            options.conv_grads)
 
-        return _sum_over_micro_batches(micro, batch, options.branch_free)
+        return _sum_over_micro_batches(micro, batch, options.branch_free,
+                                       options.device_partials)
 
     return clipped_sum
 
@@ -137,17 +159,18 @@ def _compose(scalar_maps, x):
     return x
 
 
-def _sum_over_micro_batches(micro: Callable, batch: dict, branch_free: bool):
+def _sum_over_micro_batches(micro: Callable, batch: dict, branch_free: bool,
+                            device_partials: int = 1):
     """sum over micro-batches of ``micro(images, labels, mask, positions)`` under lax.scan, a
     micro-batch with no real example skipped (it contributes exactly zero) unless
-    ``branch_free`` (masked_sum's)."""
+    ``branch_free``, in ``device_partials`` per-device partial sums (masked_sum's)."""
     micro_steps, size = batch["mask"].shape
     positions = jnp.arange(micro_steps * size, dtype=jnp.int32).reshape(micro_steps, size)
     xs = (batch["image"], batch["label"], batch["mask"], positions)
     zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype),
                          jax.eval_shape(micro, *(x[0] for x in xs)))
 
-    return _scan_sum(lambda x: micro(*x), xs, 2, zeros, branch_free)
+    return _scan_sum(lambda x: micro(*x), xs, 2, zeros, branch_free, device_partials)
 
 
 def _layer_clip_sum_fn(plan: Plan, options: StepOptions):
@@ -171,7 +194,8 @@ def _layer_clip_sum_fn(plan: Plan, options: StepOptions):
             return total, {"loss": jnp.sum(jnp.where(keep, losses, 0.0)),
                            "nonfinite": jnp.sum(mask & ~keep).astype(jnp.float32)}
 
-        total, aux = _sum_over_micro_batches(micro, batch, options.branch_free)
+        total, aux = _sum_over_micro_batches(micro, batch, options.branch_free,
+                                             options.device_partials)
         if fns.hooks.finish_sum is not None:
             total = fns.hooks.finish_sum(total, states[clip_index])
         return total, aux
@@ -223,7 +247,8 @@ def clipped_sum_fn(plan: Plan, options: StepOptions = StepOptions()):
             loss = jnp.where(nonfinite > 0, 0.0, aux["loss"])
             return value, {"loss": loss, "nonfinite": nonfinite}
 
-        total, aux = masked_sum(per_example, batch, options.branch_free)
+        total, aux = masked_sum(per_example, batch, options.branch_free,
+                                options.device_partials)
         for i in range(plan.num_per_example):  # public linear maps of the sum (GEP's residual)
             if plan.fns[i].hooks.finish_sum is not None:
                 total = plan.fns[i].hooks.finish_sum(total, states[i])

@@ -175,6 +175,7 @@ def compile_pipeline(stages: Sequence[Stage] | ValidatedPipeline, inputs: RunInp
     sharding.limit_lapack_threads()
     validated = as_validated(stages)  # rule errors before any size error
     _check_options(step_options, mesh)
+    step_options = dataclasses.replace(step_options, device_partials=mesh.devices.size)
     sampler = inputs.sampler
     micro_steps = _check_sizes(inputs.total_steps, ema_decay, micro_batch_size, mesh,
                                sampler.padded_batch_size)

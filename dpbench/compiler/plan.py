@@ -20,10 +20,15 @@ class StepOptions:
     book-keeping always takes its weighted sum that zeroes non-finite examples).
     ``conv_grads``: book-keeping's per-example convolution kernels from the input's image
     patches ("patches") or by XLA's own convolution of the input with the output gradient,
-    vmapped over the examples ("convolution"; no patches formed)."""
+    vmapped over the examples ("convolution"; no patches formed). ``device_partials``: the
+    clipped-sum loop carries one partial sum per device (compile_pipeline sets it to the
+    mesh's size): each device sums its own examples over every micro-batch and the partial
+    sums are added once after the loop, so a step all-reduces its clipped sum once, not once
+    per micro-batch (on one device: 1, the loop as it always was)."""
 
     branch_free: bool = False
     conv_grads: str = "patches"
+    device_partials: int = 1
 
     def __post_init__(self):
         if self.conv_grads not in CONV_GRADS:

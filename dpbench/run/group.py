@@ -24,7 +24,7 @@ import math
 import os
 import time
 from pathlib import Path
-from typing import NamedTuple, Optional, Sequence
+from typing import Callable, NamedTuple, Optional, Sequence
 
 import gin
 import jax
@@ -33,7 +33,7 @@ import numpy as np
 from absl import app, logging
 
 from dpbench import config as config_lib
-from dpbench import records
+from dpbench import records, sharding
 from dpbench.compiler import group as group_lib
 from dpbench.run import loop as run_loop
 
@@ -146,6 +146,39 @@ class _Compiled(NamedTuple):
     step: Optional[group_lib.GroupStep] = None   # None: a trial alone
     executable: object = None
     planned: int = 0
+    on_device: bool = False  # the training data on the device, batches gathered there
+
+
+def _shared_training_data(members: list):
+    """The members' training images and labels when every member trains on the same arrays
+    (the in-process dataset cache makes equal datasets one object), else None."""
+    trains = {id(m.loop.run.dataset.train.images) for m in members}
+    return members[0].loop.run.dataset.train if len(trains) == 1 else None
+
+
+def _drawn(member, step: int) -> dict:
+    """``member``'s batch for ``step`` as the host draws it: the sampler's indices and mask
+    laid out in micro-batches (and the stages' host randomness), without the examples."""
+    run = member.loop.run
+    compiled = run.compiled
+    drawn = run.sampler.sample(step)
+    shape = (compiled.micro_steps, compiled.micro_batch_size)
+    out = {"index": drawn.indices.reshape(shape).astype(np.int32),
+           "mask": drawn.mask.reshape(shape)}
+    inputs = compiled.stage_inputs(step)
+    if inputs:
+        out[sharding.STAGE_INPUTS] = inputs
+    return out
+
+
+def _gathering(step: Callable) -> Callable:
+    """The group step on drawn batches: each trial's examples gathered on the device from the
+    training data (the same values the host would gather: a gather is exact)."""
+    def gathered(knobs, ends, states, drawn, images, labels):
+        batch = {k: v for k, v in drawn.items() if k != "index"}
+        batch["image"], batch["label"] = images[drawn["index"]], labels[drawn["index"]]
+        return step(knobs, ends, states, batch)
+    return gathered
 
 
 def _stacked_shapes(trees):
@@ -156,10 +189,18 @@ def _stacked_shapes(trees):
 def _compile_group(members: list, batching: Optional[str]) -> _Compiled:
     step = group_lib.group_step([m.traced for m in members], batching=batching)
     ends = jax.ShapeDtypeStruct((len(members),), jnp.int32)
-    executable = jax.jit(step.step, donate_argnums=(2,)).lower(
-        step.knobs, ends, _stacked_shapes([m.started.state for m in members]),
-        _stacked_shapes([m.idle_batch for m in members])).compile()
-    return _Compiled(members, step, executable, planned_bytes(executable))
+    states = _stacked_shapes([m.started.state for m in members])
+    data = _shared_training_data(members)
+    if data is None:  # trials on different data: the host gathers each trial's examples
+        executable = jax.jit(step.step, donate_argnums=(2,)).lower(
+            step.knobs, ends, states, _stacked_shapes([m.idle_batch for m in members]))
+    else:
+        drawn = jax.tree.map(lambda *x: np.stack(x), *[_drawn(m, m.start_step)
+                                                        for m in members])
+        executable = jax.jit(_gathering(step.step), donate_argnums=(2,)).lower(
+            step.knobs, ends, states, drawn, data.images, data.labels)
+    executable = executable.compile()
+    return _Compiled(members, step, executable, planned_bytes(executable), data is not None)
 
 
 def fitting_groups(members: list, batching: Optional[str], budget: int) -> list:
@@ -188,6 +229,10 @@ def _train_group(group: _Compiled, budget: int) -> list:
     ends = np.array([m.started.end_step for m in members], np.int32)
     at = [m.start_step for m in members]
     counts = _Counts(len(members))
+    data = _shared_training_data(members) if group.on_device else None
+    on_device = () if data is None else (jax.device_put(data.images),
+                                         jax.device_put(data.labels))
+    idle = [_drawn(m, m.start_step) if data is not None else m.idle_batch for m in members]
     sides = [run_loop.TrialSteps(m.loop, m.started.progress, m.start_step,
                                   m.started.end_step, notes=(i == 0),
                                   take_nonfinite=lambda i=i: counts.take(i))
@@ -198,11 +243,14 @@ def _train_group(group: _Compiled, budget: int) -> list:
     host_s, group_steps, t_start = 0.0, 0, time.time()
     while any(a < e for a, e in zip(at, ends)):
         t0 = time.time()
-        batches = [m.loop.run.host_batch(a) if a < e else m.idle_batch
-                   for m, a, e in zip(members, at, ends)]
-        batch = _stack(batches)
+        if data is None:
+            batch = _stack([m.loop.run.host_batch(a) if a < e else i
+                            for m, a, e, i in zip(members, at, ends, idle)])
+        else:  # indices only: the examples are gathered on the device
+            batch = jax.tree.map(lambda *x: np.stack(x), *[
+                _drawn(m, a) if a < e else i for m, a, e, i in zip(members, at, ends, idle)])
         host_s += time.time() - t0
-        states, metrics = jitted(knobs, ends, states, batch)
+        states, metrics = jitted(knobs, ends, states, batch, *on_device)
         # one sum for the group (a finished trial's rows are masked out); a trial's metrics
         # are sliced only when one of its actions reads them
         counts.add(jnp.where(jnp.asarray(np.array(at) < ends),
@@ -222,7 +270,8 @@ def _train_group(group: _Compiled, budget: int) -> list:
     jax.block_until_ready(states)
     info = dict(size=len(members), batching=step.batching, knobs=len(step.knobs),
                 group_steps=group_steps, loop_s=time.time() - t_start, host_batch_s=host_s,
-                planned_bytes=group.planned, budget_bytes=budget)
+                planned_bytes=group.planned, budget_bytes=budget,
+                batches="gathered on the device" if data is not None else "gathered on the host")
     logging.info("the group's %d steps took %.1f s, %.1f s of it drawing and placing batches",
                  group_steps, info["loop_s"], host_s)
     for i, m in enumerate(members):

@@ -36,7 +36,7 @@ import time
 from pathlib import Path
 
 from dpbench.cli_args import FlagParser
-from dpbench.search import tuning
+from dpbench.search import registration, tuning
 from dpbench.sweep import cost as sweep_cost
 from dpbench.sweep.jobs import (LAUNCH_LOG, is_published, pack_jobs, published, result,
                                 run_job, run_pack)
@@ -197,6 +197,25 @@ def main(argv=None) -> int:
     return run_sweep(parse_args(argv))
 
 
+def _require_registered(protocol: dict, args) -> None:
+    """A protocol that names its board's analysis trains only into that board's records, and
+    only once the analysis is registered (committed, unchanged, before every record)."""
+    if not protocol.get("analysis"):
+        return
+    analysis = (Path(args.protocol).resolve().parent / protocol["analysis"]).resolve()
+    board = analysis.parent
+    if analysis.name != registration.ANALYSIS:
+        raise ProtocolError(f"the protocol's analysis must be a board's "
+                            f"{registration.ANALYSIS}, got {protocol['analysis']!r}")
+    if Path(args.records).resolve() != board / "records":
+        raise ProtocolError(f"this protocol's board is {board} (its analysis): pass "
+                            f"--records={board / 'records'}")
+    try:
+        registration.registration(board)
+    except registration.RegistrationError as e:
+        raise ProtocolError(str(e)) from e
+
+
 def run_sweep(args: argparse.Namespace) -> int:
     """The sweep the parsed flags ask for; the exit code."""
     if args.cost:
@@ -214,6 +233,7 @@ def run_sweep(args: argparse.Namespace) -> int:
     private = args.runs_dir / "secret"
     try:
         protocol = load_protocol(args.protocol)
+        _require_registered(protocol, args)
         if args.secret_trial_count:
             tuning.secret_law(protocol["trials"])  # refused early when there is none
         plans = []

@@ -1,0 +1,68 @@
+"""Labels decided, not guessed (dpbench/board/decide.py): a family of bootstrap p-values judged
+under Holm with each p's Monte Carlo error bounded gives, on every random stream, the label
+infinitely many draws would give, or says "undecided"; the point estimate alone flips."""
+
+import numpy as np
+import pytest
+
+from dpbench.board import decide, uncertainty
+
+ALPHA, FLIP = 0.05, 1e-6
+SCHEDULE = (10_000, 40_000, 160_000, 640_000)
+
+
+def _family(rng):
+    """28 comparisons' true p-values: far below the line, far above it, and one exactly on
+    Holm's boundary (its adjusted p is alpha: infinitely many draws retain it, but no finite
+    number can tell)."""
+    p = np.concatenate([rng.uniform(1e-7, 1e-5, 8), rng.uniform(0.2, 0.9, 19), [0.0]])
+    p[-1] = ALPHA / 20  # 9th smallest of 28: Holm multiplies it by 28 - 8 = 20
+    return rng.permutation(p)
+
+
+def _stream(p, seed):
+    rng = np.random.default_rng(seed)
+    return lambda n: rng.binomial(n, p)
+
+
+def test_every_decided_label_is_the_infinite_draw_label_on_every_stream():
+    """40 streams (fresh OS-entropy seeds each run): each decided label equals the label of the
+    true p-values, the clear comparisons are decided, and the comparison on the boundary is
+    undecided at the schedule's end. False failures: each stream flips any label with
+    probability <= FLIP = 1e-6 (decide's union bound), so <= 4e-5 over 40 streams; the
+    boundary comparison is decided on a stream with probability <= FLIP too."""
+    rng = np.random.default_rng()
+    p = _family(rng)
+    truth = np.where(decide.holm_adjusted(p) < ALPHA, "reject", "retain")
+    boundary = int(np.argmin(np.abs(decide.holm_adjusted(p) - ALPHA)))
+    seeds = np.random.SeedSequence().spawn(40)
+    for seed in seeds:
+        d = decide.decide(_stream(p, seed), ALPHA, SCHEDULE, FLIP)
+        for i, label in enumerate(d.labels):
+            assert label in (truth[i], "undecided"), (i, p[i], label, truth[i])
+        assert d.labels[boundary] == "undecided" and d.draws == SCHEDULE[-1]
+        clear = [i for i in range(len(p)) if i != boundary]
+        assert all(d.labels[i] == truth[i] for i in clear), d.labels
+
+
+def test_the_point_estimate_alone_flips_the_boundary_label_between_streams():
+    """The broken twin (what board v3 did, in effect: the estimated p against alpha): the
+    comparison on the boundary is 'reject' on some streams and 'retain' on others (all 40
+    alike has probability ~2 x 0.5^40)."""
+    rng = np.random.default_rng()
+    p = _family(rng)
+    boundary = int(np.argmin(np.abs(decide.holm_adjusted(p) - ALPHA)))
+    labels = set()
+    for seed in np.random.SeedSequence().spawn(40):
+        hits = _stream(p, seed)(SCHEDULE[-1])
+        labels.add(bool(decide.holm_adjusted(hits / SCHEDULE[-1])[boundary] < ALPHA))
+    assert labels == {True, False}
+
+
+def test_holm_is_the_boards_own_and_bad_schedules_are_refused():
+    p = np.random.default_rng().uniform(0, 0.1, 7)
+    want = uncertainty.holm(dict(enumerate(p)))
+    assert list(decide.holm_adjusted(p)) == [want[i] for i in range(7)]
+    for schedule in ((), (100, 10), (0, 10)):
+        with pytest.raises(ValueError, match="increasing positive"):
+            decide.decide(lambda n: np.zeros(3), ALPHA, schedule, FLIP)

@@ -163,3 +163,40 @@ def test_each_worker_kind_runs_its_child_with_its_environment(kind, expected):
     run(["true"])
     assert seen.get("JAX_DEFAULT_MATMUL_PRECISION") == expected
     assert (seen.get("JAX_PLATFORMS") == "cpu") is (kind == "cpu")
+
+
+def test_a_gpu_worker_takes_a_pack_of_one_methods_trials_and_publishes_each(tmp_path,
+                                                                            monkeypatch):
+    """--group_size 2: a GPU worker takes two search trials of one method (never two methods,
+    never a search trial with a seed run) and trains them with run_pack; each job of the pack
+    is finished by what it published; a seed run alone goes through run_job; a CPU worker
+    still takes one trial."""
+    pool_module, pool = make_pool(tmp_path)
+    pool.args.group_size = 2
+    packs = []
+
+    def fake_run_pack(jobs):  # as sweep.run_pack: publishes every trial, one process
+        packs.append(names(jobs))
+        for job in jobs:
+            publish(pool.args.records, sweep.run_dir_name(job["method"], job["trial"],
+                                                          job["seed"]), 1.0, 0.5, job["seed"])
+        return dict(trials=len(jobs))
+
+    def fake_run_job(job):  # a pack of one: its own process, as before
+        fake_run_pack([job])
+        return dict(validation_accuracy=0.5, diverged=False)
+
+    monkeypatch.setattr(sweep, "run_pack", fake_run_pack)
+    monkeypatch.setattr(sweep, "run_job", fake_run_job)
+    monkeypatch.setattr(pool_module.time, "sleep", lambda s: None)
+    assert len(pool.take_pack("cpu")) == 1
+    pool.jobs = []
+    _, pool = make_pool(tmp_path / "again")
+    pool.args.group_size = 2
+    pool_module.worker(pool, "gpu")
+    assert sorted(packs[:2]) == [["fast-t0-seed0", "fast-t1-seed0"],
+                                 ["slow-t0-seed0", "slow-t1-seed0"]]
+    assert sorted(packs[2:]) == [["fast-t0-seed1"], ["slow-t0-seed1"]]  # the winners' seeds
+    done = pool.done
+    assert {d["outcome"] for d in done} == {"published"} and len(done) == 6
+    assert sorted(d["pack"] for d in done)[-4:] == [2, 2, 2, 2]

@@ -12,7 +12,8 @@
 #          holding each GROUP's search.json)
 #          installs the wheels, then tools/sweep_pool.py runs the groups' unpublished trials
 #          until POOL_BUDGET seconds (default 545) after the start; GPU_WORKERS (8) and
-#          CPU_WORKERS (7) workers. A group named with another COMMIT (one the clone's history
+#          CPU_WORKERS (7) workers; GROUP_SIZE (1) trials of one method per GPU process,
+#          trained as groups (a COMMIT from before the sweep's run_pack runs one per process). A group named with another COMMIT (one the clone's history
 #          holds, e.g. 9071232 for the tanh CNN at epsilon 1) runs from a worktree of that
 #          commit, in a pool of its own beside the first (the workers split between the pools:
 #          one process imports one checkout's dpbench). $OUT/COMMIT/ gets each pool's
@@ -81,7 +82,8 @@ run)
     PYTHONUNBUFFERED=1 python3 tools/sweep_pool.py --repo="$repo" \
       --records="$RECORDS" --groups ${groups_of[$commit]} \
       --runs_dir="/tmp/runs-$commit" --deadline_s="$left" --gpu_workers="$gpu" \
-      --cpu_workers="$cpu" --out="$OUT/$commit" > "$OUT/$commit/driver.log" 2>&1 &
+      --cpu_workers="$cpu" --group_size="${GROUP_SIZE:-1}" --out="$OUT/$commit" \
+      > "$OUT/$commit/driver.log" 2>&1 &
     pids+=("$!")
   done
   status=0

@@ -9,7 +9,10 @@ scheduling differs: worker threads take jobs from one list, GPU workers the sear
 first (they hold back the seed runs) and then the slowest on a CPU (estimated from CPU records
 only), CPU workers the cheapest that still fits before the deadline (a trial killed at the
 deadline publishes nothing). When a group's search is complete its winners' seed runs are
-queued (``winners_of``, the board's rule).
+queued (``winners_of``, the board's rule). With ``--group_size`` T > 1 a GPU worker takes a pack
+of up to T trials of one method, group and phase and trains them with ``run_pack`` (one
+process, one compiled step per group of trials: dpbench/run/group.py), sized to what fits
+before the deadline at the GPU/CPU time ratio seen so far.
 
 GPU trials run with float32 matrix products at full precision (``JAX_DEFAULT_MATMUL_PRECISION=
 highest``: TF32 would round the per-example norms the clip relies on) and XLA's deterministic
@@ -115,9 +118,12 @@ class Pool:
                               self.cpu_s.get((family, job["method"]), DEFAULT_CPU_S))
 
     def gpu_estimate(self, job) -> float:
+        """Seconds a GPU worker takes for ``job`` (or a pack: a list of jobs, one process):
+        the worst GPU/CPU ratio seen so far times its CPU estimate (a pack's, the sum)."""
+        jobs = job if isinstance(job, list) else [job]
         if not self.gpu_ratio:
-            return FIRST_GPU_S
-        return max(60.0, max(self.gpu_ratio) * self.cpu_estimate(job))
+            return FIRST_GPU_S * len(jobs)
+        return max(60.0, max(self.gpu_ratio) * sum(map(self.cpu_estimate, jobs)))
 
     def _is_seed_run(self, job) -> bool:
         return job["seed"] != self.plans[job["group"]]["seeds"][0]
@@ -125,6 +131,29 @@ class Pool:
     def _available(self, job) -> bool:
         family = job["group"].split("__eps")[0]
         return "scatter" not in family or family in self.ready_families
+
+    def take_pack(self, kind: str) -> list:
+        """A GPU worker's next jobs: the job ``take`` gives, and up to ``--group_size`` - 1
+        more of its group, method and phase that fit before the deadline, trained as groups
+        by one process (dpbench/run/group.py); one job for a CPU worker. [] when none fits."""
+        first = self.take(kind)
+        if first is None:
+            return []
+        size = getattr(self.args, "group_size", 1)
+        if kind != "gpu" or size <= 1 or not hasattr(self.sweep, "run_pack"):
+            return [first]
+        pack = [first]
+        with self.lock:
+            left = self.deadline - time.time()
+            same = [j for j in self.jobs if (j["group"], j["method"]) == (
+                first["group"], first["method"]) and self._is_seed_run(j) ==
+                self._is_seed_run(first) and self._available(j)]
+            for job in same:
+                if len(pack) >= size or MARGIN * self.gpu_estimate(pack + [job]) >= left:
+                    break
+                pack.append(job)
+                self.jobs.remove(job)
+        return pack
 
     def take(self, kind: str):
         """The next job for a worker of ``kind``, or None when none fits before the deadline."""
@@ -150,14 +179,16 @@ class Pool:
         with self.lock:
             return bool(self.jobs) and time.time() < self.deadline - 60
 
-    def finish(self, job, kind, began, outcome):
+    def finish(self, job, kind, began, outcome, pack=None):
+        """``job`` ended with ``outcome``; ``pack``: the jobs its process trained with it."""
         name = f"{job['group']}/{self.sweep.run_dir_name(job['method'], job['trial'], job['seed'])}"
         took = time.time() - began
+        pack = pack or [job]
         with self.lock:
             self.done.append(dict(run=name, kind=kind, began_s=round(began - self.start, 1),
-                                  took_s=round(took, 1), outcome=outcome))
-            if outcome == "published" and kind == "gpu":
-                self.gpu_ratio.append(took / self.cpu_estimate(job))
+                                  took_s=round(took, 1), outcome=outcome, pack=len(pack)))
+            if outcome == "published" and kind == "gpu" and job is pack[0]:
+                self.gpu_ratio.append(took / sum(map(self.cpu_estimate, pack)))
             if outcome.startswith("failed") and time.time() < self.deadline:
                 self.failures[name] = self.failures.get(name, 0) + 1
                 if self.failures[name] < 2:
@@ -191,19 +222,29 @@ def worker(pool: Pool, kind: str):
     while time.time() < pool.deadline:
         if kind == "gpu" and pool.gpu_disabled:
             _local.kind = kind = "cpu"
-        job = pool.take(kind)
-        if job is None:
+        jobs = pool.take_pack(kind)
+        if not jobs:
             if not pool.waiting():
                 return
             time.sleep(5)
             continue
         began = time.time()
         try:
-            result = pool.sweep.run_job(job)
-            outcome = "diverged" if result["diverged"] else "published"
+            if len(jobs) == 1:
+                result = pool.sweep.run_job(jobs[0])
+                outcomes = ["diverged" if result["diverged"] else "published"]
+            else:
+                pool.sweep.run_pack(jobs)
+                outcomes = [None] * len(jobs)
         except Exception as e:  # a trial's failure (or the deadline's kill): logged, retried once
-            outcome = f"failed: {str(e)[-300:]}"
-        pool.finish(job, kind, began, outcome)
+            outcomes = [f"failed: {str(e)[-300:]}"] * len(jobs)
+        for job, outcome in zip(jobs, outcomes):
+            if len(jobs) > 1:  # a pack: each job by what it published (a failed pack publishes
+                #                every trial that finished)
+                target = pool.sweep.published(job)
+                outcome = ("diverged" if (target / "diverged.json").exists() else "published"
+                           if (target / "run_record.json").exists() else outcome)
+            pool.finish(job, kind, began, outcome, jobs)
 
 
 def precompute_features(pool: Pool, repo: Path):
@@ -274,6 +315,10 @@ def main(argv=None) -> int:
     parser.add_argument("--gpu_workers", type=int, default=0)
     parser.add_argument("--cpu_workers", type=int, default=1)
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--group_size", type=int, default=1,
+                        help="a GPU worker's pack: up to this many trials of one method, group "
+                             "and phase trained as groups by one process (run_pack); 1: one "
+                             "process per trial")
     parser.add_argument("--pack_every_s", type=float, default=60.0)
     args = parser.parse_args(argv)
     args.repo, args.records = args.repo.resolve(), args.records.resolve()

@@ -223,7 +223,7 @@ def test_a_group_killed_at_a_random_step_resumes_to_each_trials_solo_record(tmp_
         differ = [key for key in solo if key not in TIMINGS and grouped.get(key) != solo[key]]
         assert not differ, f"trial {i}'s record differs from its solo record in {differ}"
         assert grouped["group"]["size"] == 2
-        assert grouped["group"]["batches"] == "gathered on the device"
+        assert grouped["group"]["batches"] == "gathered on the host"  # the CPU's default
         steps = [row["step"] for row in
                  map(json.loads, (tmp_path / f"group{i}" / "metrics.jsonl").open())]
         assert max(steps) == solo["steps"], f"trial {i} logged steps past its plan"
@@ -248,23 +248,26 @@ def test_a_group_over_its_memory_budget_is_halved_until_its_compiled_step_fits(t
     """The budget sits between XLA's buffer plans for a group of two and a group of three:
     three trials train as a group of two (its plan, recorded, within the budget) and one
     alone. The device's own budget (a CPU's: half its available memory) holds all three.
-    The two grouped trials train on different carvings of digits (their own split seeds), so
-    their examples are gathered on the host (the other path: tests above gather on the
-    device); the first equals its solo run bit for bit."""
+    Their examples are gathered on the device (the CPU's default is the host: the resume test
+    above), and the first trial equals its solo run bit for bit; trials on different carvings
+    of the data are never gathered from one array."""
     files = ("pipelines/dpsgd/pipeline.gin", DIGITS)
     bindings = [tuple(SMALL) + tuple(b) for b in _knobs(np.random.default_rng())]
-    bindings[1] += ("dataset.split_seed = 1",)
     probes = [run_group._traced(run_group._start(run_group.Trial(tmp_path / f"probe{i}", files,
                                                                  b), False))
               for i, b in enumerate(bindings)]
-    need = {n: run_group._compile_group(probes[:n], None).planned for n in (2, 3)}
+    need = {n: run_group._compile_group(probes[:n], None, "device").planned for n in (2, 3)}
     assert 0 < need[2] < need[3], need
     budget = (need[2] + need[3]) // 2
     trials = [run_group.Trial(tmp_path / f"trial{i}", files, b) for i, b in enumerate(bindings)]
-    split = run_group.train_trials(trials, memory_budget=budget)
+    split = run_group.train_trials(trials, memory_budget=budget, gather="device")
     assert [r["group"]["size"] for r in split] == [2, 2, 1]
     assert split[0]["group"]["planned_bytes"] == need[2] <= split[0]["group"]["budget_bytes"]
-    assert split[0]["group"]["batches"] == "gathered on the host"
+    assert split[0]["group"]["batches"] == "gathered on the device"
     solo = _solo_record(tmp_path / "solo0", list(bindings[0][len(SMALL):]))
     assert split[0]["final_params_sha256"] == solo["final_params_sha256"]
     assert run_group.device_memory_budget() > need[3]  # a few MB: any test host has them
+    other = run_group._start(run_group.Trial(tmp_path / "other", files, bindings[0] + (
+        "dataset.split_seed = 1",)), False)
+    assert run_group._shared_training_data(probes[:2]) is not None
+    assert run_group._shared_training_data([probes[0], other]) is None

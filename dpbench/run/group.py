@@ -35,6 +35,7 @@ from absl import app, logging
 from dpbench import config as config_lib
 from dpbench import records, sharding
 from dpbench.compiler import group as group_lib
+from dpbench.run import interrupts
 from dpbench.run import loop as run_loop
 
 
@@ -254,32 +255,34 @@ def _train_group(group: _Compiled, budget: int) -> list:
     logging.info("a group of %d trials (%s), %d knobs, steps %d..%d", len(members),
                  step.batching, len(step.knobs), min(at), int(ends.max()))
     host_s, group_steps, t_start = 0.0, 0, time.time()
-    while any(a < e for a, e in zip(at, ends)):
-        t0 = time.time()
-        if data is None:
-            batch = _stack([m.loop.run.host_batch(a) if a < e else i
-                            for m, a, e, i in zip(members, at, ends, idle)])
-        else:  # indices only: the examples are gathered on the device
-            batch = jax.tree.map(lambda *x: np.stack(x), *[
-                _drawn(m, a) if a < e else i for m, a, e, i in zip(members, at, ends, idle)])
-        host_s += time.time() - t0
-        states, metrics = jitted(knobs, ends, states, batch, *on_device)
-        # one sum for the group (a finished trial's rows are masked out); a trial's metrics
-        # are sliced only when one of its actions reads them
-        counts.add(jnp.where(jnp.asarray(np.array(at) < ends),
-                             metrics["nonfinite_examples"], 0.0))
-        group_steps += 1
-        for i, m in enumerate(members):
-            if at[i] >= ends[i]:
-                continue
-            at[i] += 1
-            try:
-                sides[i].after_step(lambda i=i: jax.tree.map(lambda x: x[i], states),
-                                    lambda i=i: jax.tree.map(lambda x: x[i], metrics), at[i])
-            except run_loop.TrainingDiverged as e:  # this trial stops; the others go on
-                logging.warning("%s%s", m.loop.label, e)
-                outcomes[i], ends[i] = e, at[i]
-                m.loop.ckpts.close()
+    with interrupts.between_steps() as ctrl_c:
+        while any(a < e for a, e in zip(at, ends)):
+            t0 = time.time()
+            if data is None:
+                batch = _stack([m.loop.run.host_batch(a) if a < e else i
+                                for m, a, e, i in zip(members, at, ends, idle)])
+            else:  # indices only: the examples are gathered on the device
+                batch = jax.tree.map(lambda *x: np.stack(x), *[
+                    _drawn(m, a) if a < e else i for m, a, e, i in zip(members, at, ends, idle)])
+            host_s += time.time() - t0
+            states, metrics = jitted(knobs, ends, states, batch, *on_device)
+            # one sum for the group (a finished trial's rows are masked out); a trial's metrics
+            # are sliced only when one of its actions reads them
+            counts.add(jnp.where(jnp.asarray(np.array(at) < ends),
+                                 metrics["nonfinite_examples"], 0.0))
+            group_steps += 1
+            for i, m in enumerate(members):
+                if at[i] >= ends[i]:
+                    continue
+                at[i] += 1
+                try:
+                    sides[i].after_step(lambda i=i: jax.tree.map(lambda x: x[i], states),
+                                        lambda i=i: jax.tree.map(lambda x: x[i], metrics), at[i])
+                except run_loop.TrainingDiverged as e:  # this trial stops; the others go on
+                    logging.warning("%s%s", m.loop.label, e)
+                    outcomes[i], ends[i] = e, at[i]
+                    m.loop.ckpts.close()
+            ctrl_c.check()
     jax.block_until_ready(states)
     info = dict(size=len(members), batching=step.batching, knobs=len(step.knobs),
                 group_steps=group_steps, loop_s=time.time() - t_start, host_batch_s=host_s,

@@ -18,6 +18,7 @@ from dpbench import accounting, checkpoint, data, records
 from dpbench.compiler import check as stage_check
 from dpbench.compiler.rules import validate_pipeline
 from dpbench.config import TrainConfig, pipeline_stages
+from dpbench.run import interrupts
 from dpbench.run import record as run_record
 from dpbench.run.build import Run
 from dpbench.run.settings import Settings
@@ -192,9 +193,11 @@ def train_steps(loop: _Loop, state, progress: Progress, start_step: int, end_ste
     """Steps ``start_step .. end_step - 1``, each followed by the trial's periodic actions."""
     run = loop.run
     trial = TrialSteps(loop, progress, start_step, end_step)
-    for step in range(start_step, end_step):
-        state, metrics = run.compiled.step(state, run.host_batch(step))
-        trial.after_step(lambda: state, lambda: metrics, step + 1)
+    with interrupts.between_steps() as ctrl_c:
+        for step in range(start_step, end_step):
+            state, metrics = run.compiled.step(state, run.host_batch(step))
+            trial.after_step(lambda: state, lambda: metrics, step + 1)
+            ctrl_c.check()
     return state
 
 

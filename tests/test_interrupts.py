@@ -10,6 +10,15 @@ import pytest
 from dpbench.run import interrupts
 
 
+@pytest.fixture(autouse=True)
+def default_sigint():
+    """Each test starts from Python's default Ctrl-C handling, as a run started from a
+    terminal does (a test process may hold another), and leaves the process as it was."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
 async def _a_save_that_swallows_its_cancellation():
     """What orbax's save does: an asyncio task that turns a cancellation into a normal return
     (orbax/_src/asyncio_utils.py), here with Ctrl-C pressed in the middle of it."""
@@ -47,12 +56,9 @@ def test_ctrl_c_inside_a_checkpoint_saves_asyncio_loop_is_not_lost():
 
 
 def test_an_ignored_sigint_stays_ignored():
-    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
-    try:
-        with interrupts.between_steps() as ctrl_c:
-            assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
-            signal.raise_signal(signal.SIGINT)
-            ctrl_c.check()  # nothing was noted
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    with interrupts.between_steps() as ctrl_c:
         assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
-    finally:
-        signal.signal(signal.SIGINT, previous)
+        signal.raise_signal(signal.SIGINT)
+        ctrl_c.check()  # nothing was noted
+    assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN

@@ -287,11 +287,15 @@ def test_ctrl_c_says_how_to_resume_instead_of_a_traceback(tmp_path):
     import time
     from dpbench import checkpoint
     workdir = tmp_path / "run"
+    # the run starts as a terminal's foreground command does, Ctrl-C at its default: a test
+    # process may have inherited or set SIGINT ignored (an ignored signal stays ignored across
+    # exec, and dpbench rightly leaves an ignored SIGINT ignored: a background job)
     proc = subprocess.Popen(
         [sys.executable, "-m", "dpbench.main", *[f"--gin_file={f}" for f in DIGITS],
          "--gin_bindings=train.epochs = 50", "--gin_bindings=train.log_every_steps = 1",
          "--gin_bindings=train.checkpoint_every_steps = 2", f"--workdir={workdir}"],
-        cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     start = time.monotonic()
     while not checkpoint.manifested_steps(workdir / "checkpoints"):  # a checkpoint is saved
         assert proc.poll() is None, proc.communicate()[0][-3000:]

@@ -137,7 +137,7 @@ def test_a_methods_knobs_resolve_in_a_new_family_or_the_protocol_is_refused(tmp_
     (tmp_path / "my_methods" / "halfclip" / "method.json").write_text(json.dumps(only_tanh))
     with pytest.raises(protocol.ProtocolError,
                        match="method 'halfclip' has no search knobs for family "
-                             "'digits__logistic'.*fashion_mnist__tanh_cnn.*\"\*\""):
+                             r"'digits__logistic'.*fashion_mnist__tanh_cnn.*\"\*\""):
         load_protocol(tmp_path / "protocol.json")
 
 

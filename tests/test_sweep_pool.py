@@ -200,3 +200,19 @@ def test_a_gpu_worker_takes_a_pack_of_one_methods_trials_and_publishes_each(tmp_
     done = pool.done
     assert {d["outcome"] for d in done} == {"published"} and len(done) == 6
     assert sorted(d["pack"] for d in done)[-4:] == [2, 2, 2, 2]
+
+
+def test_the_pool_runs_an_older_commits_sweep_module(tmp_path):
+    """The pool imports the dpbench of the group's own commit: one from before sweep/jobs.py
+    names the published folder ``_published`` and has no ``is_published`` nor ``run_pack``.
+    The pool still sees what is published and gives its GPU workers one trial at a time."""
+    from types import SimpleNamespace
+    old = SimpleNamespace(**{k: getattr(sweep, k) for k in ("_jobs", "winners_of",
+                                                             "run_dir_name", "run_job")},
+                          _published=sweep.published)
+    pool_module = load_pool_module()
+    _, pool = make_pool(tmp_path, published=[("fast-t0-seed0", 100.0, 0.8)])
+    pool = pool_module.Pool(old, list(pool.plans.values()), pool.args)
+    assert "fast-t0-seed0" not in names(pool.jobs) and len(pool.jobs) == 3
+    pool.args.group_size = 4
+    assert len(pool.take_pack("gpu")) == 1

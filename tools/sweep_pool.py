@@ -99,7 +99,13 @@ class Pool:
                 self.jobs.append(job)
 
     def _is_published(self, job) -> bool:
-        return self.sweep.is_published(job)
+        target = self._target(job)
+        return (target / "run_record.json").exists() or (target / "diverged.json").exists()
+
+    def _target(self, job) -> Path:
+        """Where ``job`` publishes, by the group's commit's own sweep module (``published``
+        since sweep/jobs.py, ``_published`` before)."""
+        return (getattr(self.sweep, "published", None) or self.sweep._published)(job)
 
     def _maybe_seeds(self, group):
         plan = self.plans[group]
@@ -241,7 +247,7 @@ def worker(pool: Pool, kind: str):
         for job, outcome in zip(jobs, outcomes):
             if len(jobs) > 1:  # a pack: each job by what it published (a failed pack publishes
                 #                every trial that finished)
-                target = pool.sweep.published(job)
+                target = pool._target(job)
                 outcome = ("diverged" if (target / "diverged.json").exists() else "published"
                            if (target / "run_record.json").exists() else outcome)
             pool.finish(job, kind, began, outcome, jobs)

@@ -96,6 +96,10 @@ def _stack(trees):
     return jax.tree.map(lambda *leaves: jnp.stack(leaves), *trees)
 
 
+def _stack_on_host(trees):
+    return jax.tree.map(lambda *leaves: np.stack(leaves), *trees)
+
+
 def _start(trial: Trial, overwrite: bool) -> _Started:
     config_lib.parse_config(list(trial.gin_files), list(trial.bindings))
     config = config_lib.TrainConfig()
@@ -147,7 +151,7 @@ class _Compiled(NamedTuple):
     step: Optional[group_lib.GroupStep] = None   # None: a trial alone
     executable: object = None
     planned: int = 0
-    on_device: bool = False  # the training data on the device, batches gathered there
+    data: object = None  # the training split whose examples the device gathers (or None)
 
 
 GATHERS = ("device", "host")
@@ -207,12 +211,11 @@ def _compile_group(members: list, batching: Optional[str], gather: str = "host")
         executable = jax.jit(step.step, donate_argnums=(2,)).lower(
             step.knobs, ends, states, _stacked_shapes([m.idle_batch for m in members]))
     else:
-        drawn = jax.tree.map(lambda *x: np.stack(x), *[_drawn(m, m.start_step)
-                                                        for m in members])
+        drawn = _stack_on_host([_drawn(m, m.start_step) for m in members])
         executable = jax.jit(_gathering(step.step), donate_argnums=(2,)).lower(
             step.knobs, ends, states, drawn, data.images, data.labels)
     executable = executable.compile()
-    return _Compiled(members, step, executable, planned_bytes(executable), data is not None)
+    return _Compiled(members, step, executable, planned_bytes(executable), data)
 
 
 def fitting_groups(members: list, batching: Optional[str], budget: int,
@@ -243,7 +246,7 @@ def _train_group(group: _Compiled, budget: int) -> list:
     ends = np.array([m.started.end_step for m in members], np.int32)
     at = [m.start_step for m in members]
     counts = _Counts(len(members))
-    data = _shared_training_data(members) if group.on_device else None
+    data = group.data
     on_device = () if data is None else (jax.device_put(data.images),
                                          jax.device_put(data.labels))
     idle = [_drawn(m, m.start_step) if data is not None else m.idle_batch for m in members]
@@ -262,8 +265,8 @@ def _train_group(group: _Compiled, budget: int) -> list:
                 batch = _stack([m.loop.run.host_batch(a) if a < e else i
                                 for m, a, e, i in zip(members, at, ends, idle)])
             else:  # indices only: the examples are gathered on the device
-                batch = jax.tree.map(lambda *x: np.stack(x), *[
-                    _drawn(m, a) if a < e else i for m, a, e, i in zip(members, at, ends, idle)])
+                batch = _stack_on_host([_drawn(m, a) if a < e else i
+                                        for m, a, e, i in zip(members, at, ends, idle)])
             host_s += time.time() - t0
             states, metrics = jitted(knobs, ends, states, batch, *on_device)
             # one sum for the group (a finished trial's rows are masked out); a trial's metrics

@@ -63,6 +63,11 @@ class TrainConfig:
     conv_grads='convolution' has book-keeping form each example's convolution kernel gradient
     by XLA's convolution of the layer's input with its output gradient instead of from the
     input's image patches ('patches', the default): the same gradients, no patches in memory.
+    accelerator_micro_batch_size, on a GPU or TPU only, replaces micro_batch_size in the step:
+    0 for the whole padded batch (one micro-step a step), else a divisor of the padded batch.
+    The padded batch stays the one micro_batch_size plans, so the sampler, its DpEvent, sigma
+    and the accounting are those of the same run on a CPU; only the summation order differs.
+    None (the default) uses micro_batch_size everywhere.
     """
 
     batch_size: int = 256
@@ -80,6 +85,7 @@ class TrainConfig:
     fidelity_every_steps: int = 0
     branch_free_step: bool = False
     conv_grads: str = "patches"
+    accelerator_micro_batch_size: Optional[int] = None
 
     def validate(self):
         if not isinstance(self.batch_size, int) or self.batch_size <= 0:
@@ -93,6 +99,10 @@ class TrainConfig:
         if not isinstance(self.branch_free_step, bool):
             raise ValueError(f"train.branch_free_step must be True or False, got "
                              f"{self.branch_free_step!r}")
+        accelerator = self.accelerator_micro_batch_size
+        if accelerator is not None and (not isinstance(accelerator, int) or accelerator < 0):
+            raise ValueError(f"train.accelerator_micro_batch_size must be None, 0 (the whole "
+                             f"padded batch) or a positive integer, got {accelerator!r}")
         for name in ("checkpoint_every_steps", "log_every_steps", "checkpoints_to_keep"):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:

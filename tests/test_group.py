@@ -271,3 +271,19 @@ def test_a_group_over_its_memory_budget_is_halved_until_its_compiled_step_fits(t
         "dataset.split_seed = 1",)), False)
     assert run_group._shared_training_data(probes[:2]) is not None
     assert run_group._shared_training_data([probes[0], other]) is None
+
+
+def test_processes_sharing_a_device_each_plan_for_their_share(monkeypatch):
+    """$DPBENCH_MEMORY_FRACTION (the pool's share per worker) scales the budget; a value that is
+    not a fraction is refused, naming the variable."""
+    monkeypatch.delenv(run_group.MEMORY_FRACTION_ENV, raising=False)
+    monkeypatch.setattr(run_group, "_host_available_bytes", lambda: 8_000_000_000)
+    monkeypatch.setattr(jax, "devices", lambda *a: [type("Cpu", (), {
+        "memory_stats": lambda self: None})()])
+    assert run_group.device_memory_budget() == 4_000_000_000
+    monkeypatch.setenv(run_group.MEMORY_FRACTION_ENV, "0.05")
+    assert run_group.device_memory_budget() == 400_000_000
+    for bad in ("0", "1.5", "half"):
+        monkeypatch.setenv(run_group.MEMORY_FRACTION_ENV, bad)
+        with pytest.raises(ValueError, match="DPBENCH_MEMORY_FRACTION"):
+            run_group.device_memory_budget()

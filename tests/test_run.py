@@ -7,6 +7,7 @@ pipeline is validated once and lowered once; a release's step has no conditional
 import json
 
 import jax
+import numpy as np
 import pytest
 
 from dpbench import accounting, config
@@ -80,7 +81,8 @@ def _settings(stages=("grad.per_example", "clip.global_l2"), l2_bound=1.0, batch
     sampler = SimpleNamespace(describe=lambda: dict(sampling="poisson", sampling_rate=0.1))
     compiled = SimpleNamespace(plan=SimpleNamespace(facts=lambda: facts), total_steps=7,
                                sampler=sampler, noise_multiplier=sigma,
-                               init_noise_multiplier=None, sensitivity=l2_bound)
+                               init_noise_multiplier=None, sensitivity=l2_bound,
+                               micro_batch_size=32)
     dataset = SimpleNamespace(name="digits", features={"kind": "pixels"}, train=range(640),
                               validation=range(100), public=None)
     return Settings.of(pipeline="dpsgd", compiled=compiled, dataset=dataset, model="cnn",
@@ -128,3 +130,41 @@ def test_a_release_steps_time_does_not_depend_on_its_batch_and_a_benchmark_says_
         assert "running time does not depend" in statement["statement"]
     else:
         assert has_conditional and timing  # the check can fail: the benchmark step has one
+
+
+def test_an_accelerators_micro_batch_keeps_the_cpu_runs_batch_event_and_update(monkeypatch):
+    """``train.accelerator_micro_batch_size = 0`` on an accelerator (here the backend is read
+    as 'gpu') steps the whole padded batch at once, with the CPU run's padded batch, DpEvent,
+    sigma and drawn batches, and the same update up to the order of its sums; on a CPU the
+    option changes nothing; a size that does not divide the padded batch is refused."""
+    files, bindings = golden_run("dpsgd")
+    original = run.step_micro_batch_size
+
+    def built(extra, backend):
+        monkeypatch.setattr(run, "step_micro_batch_size",
+                            lambda c, p: original(c, p, backend=backend))
+        config.parse_config(files, [*bindings, *extra])
+        return run.build_run(config.pipeline_stages()[1], config.TrainConfig(),
+                             accounting.Budget())
+
+    cpu = built([], "cpu")
+    gpu = built(["train.accelerator_micro_batch_size = 0"], "gpu")
+    assert cpu.compiled.micro_steps > 1 and gpu.compiled.micro_steps == 1  # can fail
+    assert gpu.compiled.micro_batch_size == cpu.sampler.padded_batch_size
+    assert gpu.sampler.describe() == cpu.sampler.describe()
+    assert gpu.compiled.noise_multiplier == cpu.compiled.noise_multiplier
+    assert (accounting.event_to_json(gpu.compiled.run_event())
+            == accounting.event_to_json(cpu.compiled.run_event()))
+    a, b = cpu.host_batch(3), gpu.host_batch(3)
+    assert np.array_equal(np.asarray(a["mask"]).ravel(), np.asarray(b["mask"]).ravel())
+    new_a, _ = jax.jit(cpu.compiled.lowered.step)(cpu.initial_state(), a)
+    new_b, _ = jax.jit(gpu.compiled.lowered.step)(gpu.initial_state(), b)
+    for x, y in zip(jax.tree.leaves(new_a), jax.tree.leaves(new_b)):
+        if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+            x, y = jax.random.key_data(x), jax.random.key_data(y)
+        np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-6)  # float32 sums, reordered
+    on_cpu = built(["train.accelerator_micro_batch_size = 0"], "cpu")
+    assert on_cpu.compiled.micro_batch_size == cpu.compiled.micro_batch_size
+    padded = cpu.sampler.padded_batch_size
+    with pytest.raises(ValueError, match="must divide the padded batch"):
+        built([f"train.accelerator_micro_batch_size = {padded - 1}"], "gpu")

@@ -127,10 +127,11 @@ def test_the_workers_publish_the_search_then_the_winners_seeds_and_pack_them(
     monkeypatch.setattr(sweep, "run_job", fake_run_job)
     monkeypatch.setattr(pool_module.time, "sleep", lambda s: None)
     pool_module.worker(pool, "cpu")
-    search = [(m, t, 0) for m in ("fast", "slow") for t in (0, 1)]
-    assert sorted(ran[:4]) == sorted(search)
-    assert sorted(ran[4:]) == [("fast", 1, 1), ("slow", 1, 1)]  # each winner (trial 1), seed 1
-    assert GROUP in pool.seeded and not pool.jobs
+    for method in ("fast", "slow"):  # each method's seed run after its own search alone
+        mine = [r for r in ran if r[0] == method]
+        assert sorted(mine[:2]) == [(method, 0, 0), (method, 1, 0)]
+        assert mine[2:] == [(method, 1, 1)]  # its winner (trial 1), seed 1
+    assert {(GROUP, 'fast'), (GROUP, 'slow')} == pool.seeded and not pool.jobs
     pool_module.pack(pool, pool.args.out)
     with tarfile.open(pool.args.out / "records.tar.gz") as tar:
         packed = sorted(n for n in tar.getnames() if n.endswith("run_record.json"))
@@ -216,3 +217,57 @@ def test_the_pool_runs_an_older_commits_sweep_module(tmp_path):
     assert "fast-t0-seed0" not in names(pool.jobs) and len(pool.jobs) == 3
     pool.args.group_size = 4
     assert len(pool.take_pack("gpu")) == 1
+
+
+def test_a_pack_spans_its_familys_epsilons_and_a_failed_pack_retries_its_runs_alone(
+        tmp_path, monkeypatch):
+    """A GPU pack takes one method's search trials of both epsilons of a family (the same
+    program up to sigma), never another method's; its GPU trials get --gpu_binding and a share
+    of the device's memory, a CPU trial neither. A pack that fails leaves the GPU in use: each
+    of its runs is retried once, alone."""
+    pool_module = load_pool_module()
+    plans = []
+    for eps in (1.0, 3.0):
+        group = f"digits__logistic__eps{eps}__delta1e-05"
+        plans.append(dict(group=group, epsilon=eps, delta=1e-5, seeds=[0, 1], num_trials=2,
+                          methods={m: dict(gin_files=["gin/data/digits.gin"], trials=[[], []])
+                                   for m in ("fast", "slow")}))
+        (tmp_path / "records" / group).mkdir(parents=True)
+    args = argparse.Namespace(records=tmp_path / "records", runs_dir=tmp_path / "runs",
+                              deadline_s=1000.0, out=tmp_path / "out", group_size=8,
+                              gpu_workers=4,
+                              gpu_binding=["train.accelerator_micro_batch_size = 0"])
+    pool = pool_module.Pool(sweep, plans, args)
+    calls = []
+
+    def failing_pack(jobs):
+        calls.append(("pack", [j["bindings"] for j in jobs]))
+        raise RuntimeError("the group path broke")
+
+    def one_job(job):
+        calls.append(("job", job["bindings"]))
+        return dict(validation_accuracy=0.5, diverged=False)
+
+    monkeypatch.setattr(sweep, "run_pack", failing_pack)
+    monkeypatch.setattr(sweep, "run_job", one_job)
+    pack = pool.take_pack("gpu")
+    assert len(pack) == 4 and len({j["method"] for j in pack}) == 1
+    assert {j["group"] for j in pack} == {p["group"] for p in plans}
+    pool.jobs = pack + pool.jobs  # back, to go through the worker
+    monkeypatch.setattr(pool_module.time, "sleep", lambda s: None)
+    monkeypatch.setattr(pool, "waiting", lambda: False)
+    pool_module.worker(pool, "gpu")
+    packs = [c for c in calls if c[0] == "pack"]
+    alone = [c for c in calls if c[0] == "job"]
+    assert len(packs) == 2 and len(alone) == 8, calls  # each method's pack failed, then alone
+    assert all(b[-1] == "train.accelerator_micro_batch_size = 0" for c in packs for b in c[1])
+    assert all(c[1][-1] == "train.accelerator_micro_batch_size = 0" for c in alone)
+    assert not pool.gpu_disabled
+    seen = {}
+    run = pool_module._patched_run(lambda command, **kw: seen.update(kw["env"]))
+    run(["true"])  # this thread was the GPU worker's
+    assert float(seen[pool_module.MEMORY_FRACTION_ENV]) == pytest.approx(0.9 / 4)
+    pool_module._local.kind = "cpu"
+    seen.clear()
+    run(["true"])
+    assert pool_module.MEMORY_FRACTION_ENV not in seen

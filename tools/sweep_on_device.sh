@@ -12,8 +12,11 @@
 #          holding each GROUP's search.json)
 #          installs the wheels, then tools/sweep_pool.py runs the groups' unpublished trials
 #          until POOL_BUDGET seconds (default 545) after the start; GPU_WORKERS (8) and
-#          CPU_WORKERS (7) workers; GROUP_SIZE (1) trials of one method per GPU process,
-#          trained as groups (a COMMIT from before the sweep's run_pack runs one per process). A group named with another COMMIT (one the clone's history
+#          CPU_WORKERS (7) workers; GROUP_SIZE (1) trials of one method (one family, any
+#          epsilon) per GPU process, trained as groups (a COMMIT from before the sweep's
+#          run_pack runs one per process); GPU_BINDING, when set, a gin binding added to every
+#          GPU trial (e.g. 'train.accelerator_micro_batch_size = 0': the whole padded batch a
+#          micro-step, the same sampler and DpEvent as on a CPU). A group named with another COMMIT (one the clone's history
 #          holds, e.g. 9071232 for the tanh CNN at epsilon 1) runs from a worktree of that
 #          commit, in a pool of its own beside the first (the workers split between the pools:
 #          one process imports one checkout's dpbench). $OUT/COMMIT/ gets each pool's
@@ -83,6 +86,7 @@ run)
       --records="$RECORDS" --groups ${groups_of[$commit]} \
       --runs_dir="/tmp/runs-$commit" --deadline_s="$left" --gpu_workers="$gpu" \
       --cpu_workers="$cpu" --group_size="${GROUP_SIZE:-1}" --out="$OUT/$commit" \
+      ${GPU_BINDING:+"--gpu_binding=$GPU_BINDING"} \
       > "$OUT/$commit/driver.log" 2>&1 &
     pids+=("$!")
   done

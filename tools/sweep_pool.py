@@ -39,12 +39,19 @@ import threading
 import time
 from pathlib import Path
 
+MEMORY_FRACTION_ENV = "DPBENCH_MEMORY_FRACTION"  # dpbench/run/group.py reads it (a copy:
+#                                                 the pool imports no dpbench of its own)
 GPU_ENV = {"XLA_PYTHON_CLIENT_PREALLOCATE": "false", "JAX_DEFAULT_MATMUL_PRECISION": "highest",
            "XLA_FLAGS": "--xla_gpu_deterministic_ops=true"}
 CPU_ENV = {"JAX_PLATFORMS": "cpu", "CUDA_VISIBLE_DEVICES": ""}
 DEFAULT_CPU_S = 300.0  # a trial whose (family, method) has no published record yet
-FIRST_GPU_S = 150.0    # a GPU trial's time before any has finished
+FIRST_GPU_S = 150.0    # a GPU process's time before any has finished
 MARGIN = 1.3
+PACK_TRIAL_SHARE = 1 / 8  # a pack's process costs its slowest trial times 1 + share x (T - 1):
+#                           a trial added to a group step costs a fraction of the first (2 CPU
+#                           cores: 4.4x cheaper per trial at T 8, leaderboard/group-cost-fmnist-
+#                           cpu.md); the observed ratios then correct the scale
+MEMORY_SHARE = 0.9     # of the device's memory, split evenly among the GPU workers' processes
 
 
 def published_runs(records: Path, group: str) -> set:
@@ -82,6 +89,7 @@ class Pool:
         self.deadline = self.start + args.deadline_s
         self.ready_families = set()  # scatter families wait for their features
         self.jobs, self.done, self.failures = [], [], {}
+        self.alone = set()  # runs whose pack failed: retried in a process of their own
         self.seeded = set()
         self.gpu_ratio = []  # observed GPU time / CPU estimate
         self.gpu_disabled = False
@@ -108,28 +116,38 @@ class Pool:
         return (getattr(self.sweep, "published", None) or self.sweep._published)(job)
 
     def _maybe_seeds(self, group):
+        """Queues the seed runs of each method of ``group`` whose search is published (its
+        winner is chosen among its own trials alone: one slow method holds back no other's)."""
         plan = self.plans[group]
-        if group in self.seeded:
-            return
-        search = self.sweep._jobs([plan], "search", self.ns)
-        if all(self._is_published(j) for j in search):
-            self.seeded.add(group)
-            winners = self.sweep.winners_of([plan], self.args.records)
-            self._queue(self.sweep._jobs([plan], "seeds", self.ns, winners))
-            self.log(f"{group}: search complete, seeds queued (winners {winners})")
+        for method in plan["methods"]:
+            if (group, method) in self.seeded:
+                continue
+            alone = dict(plan, methods={method: plan["methods"][method]})
+            search = self.sweep._jobs([alone], "search", self.ns)
+            if all(self._is_published(j) for j in search):
+                self.seeded.add((group, method))
+                winners = self.sweep.winners_of([alone], self.args.records)
+                self._queue(self.sweep._jobs([alone], "seeds", self.ns, winners))
+                self.log(f"{group} {method}: search complete, seeds queued (winner trial "
+                         f"{winners[(group, method)]})")
 
     def cpu_estimate(self, job) -> float:
         family = job["group"].split("__eps")[0]
         return self.cpu_s.get((job["group"], job["method"]),
                               self.cpu_s.get((family, job["method"]), DEFAULT_CPU_S))
 
+    def pack_cpu_s(self, jobs) -> float:
+        """A GPU process's work for ``jobs`` (one process) in CPU seconds: its slowest trial's
+        CPU estimate times 1 + PACK_TRIAL_SHARE x (T - 1)."""
+        return max(map(self.cpu_estimate, jobs)) * (1 + PACK_TRIAL_SHARE * (len(jobs) - 1))
+
     def gpu_estimate(self, job) -> float:
         """Seconds a GPU worker takes for ``job`` (or a pack: a list of jobs, one process):
-        the worst GPU/CPU ratio seen so far times its CPU estimate (a pack's, the sum)."""
+        the worst GPU/CPU ratio seen so far times its work (:meth:`pack_cpu_s`)."""
         jobs = job if isinstance(job, list) else [job]
         if not self.gpu_ratio:
-            return FIRST_GPU_S * len(jobs)
-        return max(60.0, max(self.gpu_ratio) * sum(map(self.cpu_estimate, jobs)))
+            return FIRST_GPU_S * (1 + PACK_TRIAL_SHARE * (len(jobs) - 1))
+        return max(60.0, max(self.gpu_ratio) * self.pack_cpu_s(jobs))
 
     def _is_seed_run(self, job) -> bool:
         return job["seed"] != self.plans[job["group"]]["seeds"][0]
@@ -138,22 +156,29 @@ class Pool:
         family = job["group"].split("__eps")[0]
         return "scatter" not in family or family in self.ready_families
 
+    def _name(self, job) -> str:
+        return f"{job['group']}/{self.sweep.run_dir_name(job['method'], job['trial'], job['seed'])}"
+
     def take_pack(self, kind: str) -> list:
         """A GPU worker's next jobs: the job ``take`` gives, and up to ``--group_size`` - 1
-        more of its group, method and phase that fit before the deadline, trained as groups
-        by one process (dpbench/run/group.py); one job for a CPU worker. [] when none fits."""
+        more of its family (any epsilon: the same program up to sigma), method and phase that
+        fit before the deadline, trained as groups by one process (dpbench/run/group.py); one
+        job for a CPU worker, and for a run whose pack failed. [] when none fits."""
         first = self.take(kind)
         if first is None:
             return []
         size = getattr(self.args, "group_size", 1)
-        if kind != "gpu" or size <= 1 or not hasattr(self.sweep, "run_pack"):
+        if (kind != "gpu" or size <= 1 or not hasattr(self.sweep, "run_pack")
+                or self._name(first) in self.alone):
             return [first]
         pack = [first]
+        family = first["group"].split("__eps")[0]
         with self.lock:
             left = self.deadline - time.time()
-            same = [j for j in self.jobs if (j["group"], j["method"]) == (
-                first["group"], first["method"]) and self._is_seed_run(j) ==
-                self._is_seed_run(first) and self._available(j)]
+            same = [j for j in self.jobs if (j["group"].split("__eps")[0], j["method"]) == (
+                family, first["method"]) and self._is_seed_run(j) ==
+                self._is_seed_run(first) and self._available(j)
+                and self._name(j) not in self.alone]
             for job in same:
                 if len(pack) >= size or MARGIN * self.gpu_estimate(pack + [job]) >= left:
                     break
@@ -187,21 +212,25 @@ class Pool:
 
     def finish(self, job, kind, began, outcome, pack=None):
         """``job`` ended with ``outcome``; ``pack``: the jobs its process trained with it."""
-        name = f"{job['group']}/{self.sweep.run_dir_name(job['method'], job['trial'], job['seed'])}"
+        name = self._name(job)
         took = time.time() - began
         pack = pack or [job]
         with self.lock:
             self.done.append(dict(run=name, kind=kind, began_s=round(began - self.start, 1),
                                   took_s=round(took, 1), outcome=outcome, pack=len(pack)))
             if outcome == "published" and kind == "gpu" and job is pack[0]:
-                self.gpu_ratio.append(took / sum(map(self.cpu_estimate, pack)))
+                self.gpu_ratio.append(took / self.pack_cpu_s(pack))
             if outcome.startswith("failed") and time.time() < self.deadline:
+                if len(pack) > 1:  # the group path failed it: once more, alone
+                    self.alone.add(name)
                 self.failures[name] = self.failures.get(name, 0) + 1
                 if self.failures[name] < 2:
                     self.jobs.append(job)  # once more (on whichever worker takes it)
                 gpu_done = [d for d in self.done if d["kind"] == "gpu"]
+                alone = [d for d in gpu_done if d["pack"] == 1]  # a failed pack says nothing
+                #                                                  of the GPU: its runs retry
                 if kind == "gpu" and not any(d["outcome"] == "published" for d in gpu_done) \
-                        and len(gpu_done) >= 2:
+                        and len(alone) >= 2:
                     self.gpu_disabled = True
             if outcome in ("published", "diverged"):
                 self._maybe_seeds(job["group"])
@@ -218,6 +247,9 @@ def _patched_run(original):
     def run(command, **kwargs):
         env = dict(os.environ)
         env.update(GPU_ENV if getattr(_local, "kind", "cpu") == "gpu" else CPU_ENV)
+        if getattr(_local, "kind", "cpu") == "gpu":
+            env[MEMORY_FRACTION_ENV] = str(MEMORY_SHARE / max(1, getattr(_local, "gpu_workers",
+                                                                           1)))
         kwargs["env"] = env
         return original(command, **kwargs)
     return run
@@ -225,6 +257,7 @@ def _patched_run(original):
 
 def worker(pool: Pool, kind: str):
     _local.kind = kind
+    _local.gpu_workers = getattr(pool.args, "gpu_workers", 1)
     while time.time() < pool.deadline:
         if kind == "gpu" and pool.gpu_disabled:
             _local.kind = kind = "cpu"
@@ -235,12 +268,14 @@ def worker(pool: Pool, kind: str):
             time.sleep(5)
             continue
         began = time.time()
+        extra = list(getattr(pool.args, "gpu_binding", None) or []) if kind == "gpu" else []
+        running = [dict(j, bindings=[*j["bindings"], *extra]) for j in jobs]
         try:
             if len(jobs) == 1:
-                result = pool.sweep.run_job(jobs[0])
+                result = pool.sweep.run_job(running[0])
                 outcomes = ["diverged" if result["diverged"] else "published"]
             else:
-                pool.sweep.run_pack(jobs)
+                pool.sweep.run_pack(running)
                 outcomes = [None] * len(jobs)
         except Exception as e:  # a trial's failure (or the deadline's kill): logged, retried once
             outcomes = [f"failed: {str(e)[-300:]}"] * len(jobs)
@@ -325,6 +360,10 @@ def main(argv=None) -> int:
                         help="a GPU worker's pack: up to this many trials of one method, group "
                              "and phase trained as groups by one process (run_pack); 1: one "
                              "process per trial")
+    parser.add_argument("--gpu_binding", action="append", default=[],
+                        help="a gin binding added to every GPU worker's trial, e.g. "
+                             "'train.accelerator_micro_batch_size = 0' (the whole padded "
+                             "batch a micro-step; same sampler and DpEvent as on a CPU)")
     parser.add_argument("--pack_every_s", type=float, default=60.0)
     args = parser.parse_args(argv)
     args.repo, args.records = args.repo.resolve(), args.records.resolve()

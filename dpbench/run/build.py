@@ -111,6 +111,27 @@ def _parts(config: TrainConfig, budget: accounting.Budget,
                   steps_per_epoch=n / config.batch_size)
 
 
+def step_micro_batch_size(config: TrainConfig, padded_batch_size: int,
+                          backend: Optional[str] = None) -> int:
+    """The micro-batch the step runs: ``train.micro_batch_size``, or on an accelerator
+    ``train.accelerator_micro_batch_size`` when set (0: the whole padded batch). The padded
+    batch is planned with ``micro_batch_size`` either way, so the sampler and its DpEvent do
+    not depend on the device."""
+    wanted = config.accelerator_micro_batch_size
+    backend = jax.default_backend() if backend is None else backend
+    if wanted is None or backend == "cpu":
+        return config.micro_batch_size
+    wanted = wanted or padded_batch_size
+    if padded_batch_size % wanted:
+        divisors = [d for d in range(1, padded_batch_size + 1) if padded_batch_size % d == 0]
+        raise ValueError(
+            f"train.accelerator_micro_batch_size ({wanted}) must divide the padded batch "
+            f"({padded_batch_size}, planned with train.micro_batch_size = "
+            f"{config.micro_batch_size}); 0 takes the whole padded batch, and its divisors of at "
+            f"least {config.micro_batch_size} are {[d for d in divisors if d >= config.micro_batch_size]}")
+    return wanted
+
+
 def build_run(stages: Sequence[Stage] | ValidatedPipeline, config: TrainConfig,
               budget: Optional[accounting.Budget] = None,
               model_config: Optional[models.ModelConfig] = None) -> Run:
@@ -123,7 +144,7 @@ def build_run(stages: Sequence[Stage] | ValidatedPipeline, config: TrainConfig,
     t0 = time.time()
     compiled = compile_pipeline(
         stages, parts.inputs(config, budget), mesh=mesh,
-        micro_batch_size=config.micro_batch_size, ema_decay=config.ema_decay,
+        micro_batch_size=step_micro_batch_size(config, parts.sampler.padded_batch_size), ema_decay=config.ema_decay,
         fidelity_diagnostics=config.fidelity_every_steps > 0, host_seed=parts.seeds[3],
         step_options=StepOptions(branch_free=branch_free(config),
                                  conv_grads=config.conv_grads))

@@ -61,18 +61,30 @@ class _Started(NamedTuple):
 
 MEMORY_FRACTION = 0.5  # of the device's free memory a group's step may plan for: the rest is
 #                       the data, the evaluation and the runtime's own
+# Processes that share one device each plan for their share: the sweep's pool sets this to
+# its fraction over its workers (the allocator's free memory is each process's own view).
+MEMORY_FRACTION_ENV = "DPBENCH_MEMORY_FRACTION"
 
 
 def device_memory_budget() -> int:
-    """Bytes a group's compiled step may plan for: ``MEMORY_FRACTION`` of what the first
-    device reports free (an accelerator's allocator limit less what is in use; a CPU's, the
-    host's available memory)."""
+    """Bytes a group's compiled step may plan for: ``MEMORY_FRACTION`` (or the fraction in
+    ``$DPBENCH_MEMORY_FRACTION``, for processes sharing a device) of what the first device
+    reports free (an accelerator's allocator limit less what is in use; a CPU's, the host's
+    available memory)."""
     stats = jax.devices()[0].memory_stats() or {}
     if "bytes_limit" in stats:
         free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
     else:
         free = _host_available_bytes()
-    return int(free * MEMORY_FRACTION)
+    fraction = os.environ.get(MEMORY_FRACTION_ENV)
+    try:
+        fraction = MEMORY_FRACTION if fraction is None else float(fraction)
+    except ValueError:
+        fraction = -1.0
+    if not 0 < fraction <= 1:
+        raise ValueError(f"${MEMORY_FRACTION_ENV} must be a number in (0, 1], got "
+                         f"{os.environ.get(MEMORY_FRACTION_ENV)!r}")
+    return int(free * fraction)
 
 
 def _host_available_bytes() -> int:

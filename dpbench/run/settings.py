@@ -75,7 +75,7 @@ class Settings:
             features=dict(dataset.features), dataset_size=len(dataset.train),
             validation_size=len(dataset.validation),
             public_size=0 if dataset.public is None else len(dataset.public),
-            model=model, batch_size=config.batch_size, micro_batch_size=config.micro_batch_size,
+            model=model, batch_size=config.batch_size, micro_batch_size=compiled.micro_batch_size,
             epochs=config.epochs, planned_steps=compiled.total_steps,
             sampling=compiled.sampler.describe(), seed=config.seed,
             target_epsilon=budget.epsilon, delta=budget.delta, accountant=budget.accountant,

@@ -311,6 +311,25 @@ def test_ctrl_c_says_how_to_resume_instead_of_a_traceback(tmp_path):
     assert not (workdir / "run_record.json").exists()
 
 
+def test_a_background_job_starts_with_ctrl_c_ignored_and_the_ctrl_c_test_undoes_it():
+    """Why the Ctrl-C test once failed by test order: a non-interactive shell starts an
+    asynchronous command (``cmd &``: a CI harness, ``nohup ... &``) with SIGINT ignored (POSIX),
+    an ignored signal stays ignored across exec, and so the pytest process, its xdist workers
+    and every child they start ignore Ctrl-C. The test's child restores the default (its
+    ``preexec_fn``); dpbench leaves an inherited SIG_IGN alone, as a background job should."""
+    probe = ("import signal; print('ignored' if signal.getsignal(signal.SIGINT) == "
+             "signal.SIG_IGN else 'default')")
+    launcher = ("import signal, subprocess, sys; subprocess.run([sys.executable, '-c', "
+                f"{probe!r}], preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))")
+
+    def in_background(code: str) -> str:
+        return subprocess.run(["bash", "-c", f'"$0" -c "$1" & wait', sys.executable, code],
+                              capture_output=True, text=True, timeout=60).stdout.strip()
+
+    assert in_background(probe) == "ignored"  # the inherited state (the check can fail)
+    assert in_background(launcher) == "default"  # what the Ctrl-C test's child starts with
+
+
 def test_ctrl_c_before_the_first_checkpoint_says_nothing_was_saved(tmp_path, monkeypatch,
                                                                    capsys):
     """Interrupted before any checkpoint, the message does not promise a resume."""

@@ -6,7 +6,8 @@
 #          fills .device/ (git-ignored): a clean clone of COMMIT (the commit the groups' records
 #          come from), the pinned wheels the machine lacks, Debian's Fashion-MNIST files.
 #          One commit per call: two clones, the data and the board's records exceed the 64 MiB
-#          that travels.
+#          that travels. SHALLOW=1: a one-commit clone of HEAD without leaderboard/ (when even
+#          one full clone is too much).
 #   there: RECORDS=DIR bash tools/sweep_on_device.sh run [COMMIT:]GROUP [...]
 #          (carry .device; $OUT set; DIR: the sweep's records folder, relative to the repo,
 #          holding each GROUP's search.json)
@@ -33,7 +34,18 @@ case "${1:-}" in
 prepare)
   commit="${2:?usage: $0 prepare COMMIT}"
   device_fill
-  git clone -q --no-local . .device/src && git -C .device/src checkout -q "$commit"
+  if [ -n "${SHALLOW:-}" ]; then
+    # one commit, without leaderboard/ (the records travel in this tree): the tree, the data
+    # and a full clone of today's repository exceed the 64 MiB that travels. A COMMIT: group
+    # prefix then has no history to take its worktree from.
+    [ "$(git rev-parse "$commit^{commit}")" = "$(git rev-parse HEAD)" ] \
+      || { echo "SHALLOW=1 clones this checkout's HEAD: check out $commit first" >&2; exit 2; }
+    git clone -q --depth 1 --no-checkout "file://$PWD" .device/src
+    git -C .device/src sparse-checkout set --no-cone '/*' '!/leaderboard/'
+    git -C .device/src checkout -q "$commit"
+  else
+    git clone -q --no-local . .device/src && git -C .device/src checkout -q "$commit"
+  fi
   git -C .device/src gc -q --prune=now
   du -sh .device
   ;;

@@ -45,7 +45,7 @@ GPU_ENV = {"XLA_PYTHON_CLIENT_PREALLOCATE": "false", "JAX_DEFAULT_MATMUL_PRECISI
            "XLA_FLAGS": "--xla_gpu_deterministic_ops=true"}
 CPU_ENV = {"JAX_PLATFORMS": "cpu", "CUDA_VISIBLE_DEVICES": ""}
 DEFAULT_CPU_S = 300.0  # a trial whose (family, method) has no published record yet
-FIRST_GPU_S = 150.0    # a GPU process's time before any has finished
+FIRST_GPU_S = 120.0    # a GPU process's time before any has finished
 MARGIN = 1.3
 PACK_TRIAL_SHARE = 1 / 8  # a pack's process costs its slowest trial times 1 + share x (T - 1):
 #                           a trial added to a group step costs a fraction of the first (2 CPU

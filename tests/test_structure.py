@@ -293,8 +293,10 @@ def house(folders=("dpbench", "benchmarks", "tools")) -> tuple:
     return rooms, edges, max(level(r) for r in rooms)
 
 
-def test_the_house_has_at_most_7_layers_and_85_import_edges_between_rooms():
+def test_the_house_has_at_most_7_layers_and_86_import_edges_between_rooms():
     """The house's shape, held where it stands (26 rooms): a change that adds a layer or an
-    edge between rooms raises the bound here and says why."""
+    edge between rooms raises the bound here and says why. 86: tools/compare_rerun.py reads a
+    rerun's records with search/tuning's own readers (a winner by the board's rule, not a
+    second copy of it)."""
     rooms, edges, layers = house()
-    assert layers <= 7 and len(edges) <= 85, (len(rooms), len(edges), layers)
+    assert layers <= 7 and len(edges) <= 86, (len(rooms), len(edges), layers)

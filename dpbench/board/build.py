@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 
-from dpbench.search import methods
+from dpbench.search import methods, registration
 from dpbench import records as records_lib
 from dpbench.search import tuning
 from dpbench.board import frozen, paired
@@ -322,6 +322,8 @@ def run_board(args) -> int:
                                                        else "; ".join(problems) + "."),
               file=sys.stderr)
         return 2
+    if registration.analysis_path(args.records).exists():  # a registered board (v4 on)
+        return _run_registered(args)
     try:
         table = build(args.records, args.out, args.audits, args.perf, args.claims,
                       args.v1_records, [*args.methods_dirs, methods.BOARD_METHODS],
@@ -335,6 +337,24 @@ def run_board(args) -> int:
     if args.freeze:
         frozen.freeze(args.out)
         print(f"froze {args.out}: {INPUTS_FILE} holds the hashes of its files and records")
+    return 0
+
+
+def _run_registered(args) -> int:
+    """A board with a registered analysis: rendered with it (board/v4_page.py) beside its
+    records, or refused, saying why."""
+    from dpbench.board import v4_page
+    if Path(args.out).resolve() != Path(args.records).resolve().parent:
+        print("dpbench: error: a registered board is rendered beside its records (leave out "
+              "--out)", file=sys.stderr)
+        return 2
+    try:
+        page = v4_page.build_v4(args.records, [*args.methods_dirs, methods.BOARD_METHODS])
+    except (registration.RegistrationError, tuning.SearchRecordError,
+            methods.MethodError) as e:
+        print(f"dpbench: error: {e}", file=sys.stderr)
+        return 2
+    print(f"wrote {page} with the analysis registered in {page.parent / registration.ANALYSIS}")
     return 0
 
 

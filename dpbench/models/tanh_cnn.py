@@ -1,5 +1,8 @@
 """The tanh CNN of Papernot et al. 2021 ("Tempered sigmoid activations"), registered as
-``tanh_cnn``: the board's reference model for 28x28 images."""
+``tanh_cnn``: the board's reference model for 28x28 images; and its wider twins for board v4's
+dimension ladder, ``tanh_cnn_x2``, ``tanh_cnn_x4`` and ``tanh_cnn_x8``: every layer's channels
+and hidden units times 2, 4 or 8 (the same architecture; about 26k, 0.1M, 0.4M and 1.6M
+parameters on 10 classes)."""
 
 from __future__ import annotations
 
@@ -16,6 +19,7 @@ class TanhCNN(nn.Module):
     group_norm_groups: int = 0  # 0: no normalization
     conv_impl: str = "patches"
     center_inputs: bool = True
+    width_multiplier: int = 1  # the ladder's rungs: channels and hidden units times this
 
     @nn.compact
     def __call__(self, x):
@@ -27,12 +31,12 @@ class TanhCNN(nn.Module):
             return nn.GroupNorm(num_groups=self.group_norm_groups)(h) if self.group_norm_groups \
                 else h
 
-        x = act(norm(layers.conv_layer(self.conv_impl, 16, (8, 8), (2, 2), "SAME", "Conv_0")(x)))
+        x = act(norm(layers.conv_layer(self.conv_impl, 16 * self.width_multiplier, (8, 8), (2, 2), "SAME", "Conv_0")(x)))
         x = layers.max_pool_2x2_stride_1(x)
-        x = act(norm(layers.conv_layer(self.conv_impl, 32, (4, 4), (2, 2), "VALID", "Conv_1")(x)))
+        x = act(norm(layers.conv_layer(self.conv_impl, 32 * self.width_multiplier, (4, 4), (2, 2), "VALID", "Conv_1")(x)))
         x = layers.max_pool_2x2_stride_1(x)
         x = x.reshape(x.shape[:-3] + (-1,))
-        x = act(nn.Dense(32)(x))
+        x = act(nn.Dense(32 * self.width_multiplier)(x))
         return nn.Dense(self.num_classes)(x)
 
 
@@ -42,6 +46,13 @@ def _describe_inputs(knobs: dict) -> list:
     return [dict(what="pixels mapped from [0, 1] to [-1, 1]", why="a fixed map: no privacy cost")]
 
 
-registry.register_model("tanh_cnn", lambda n, k, lin: TanhCNN(
-    n, k["activation"], k["group_norm_groups"], k["conv_impl"], k["center_inputs"]),
-    features="pixels", describe_inputs=_describe_inputs)
+def _tanh_cnn(width_multiplier: int):
+    return lambda n, k, lin: TanhCNN(n, k["activation"], k["group_norm_groups"], k["conv_impl"],
+                                     k["center_inputs"], width_multiplier)
+
+
+registry.register_model("tanh_cnn", _tanh_cnn(1), features="pixels",
+                        describe_inputs=_describe_inputs)
+for _multiplier in (2, 4, 8):
+    registry.register_model(f"tanh_cnn_x{_multiplier}", _tanh_cnn(_multiplier),
+                            features="pixels", describe_inputs=_describe_inputs)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Optional
 
+import jax
 import numpy as np
 
 from dpbench import accounting, data, numerics, records
@@ -34,6 +35,7 @@ def run_record(settings: Settings, run, config: TrainConfig, state, progress, *,
         test_accuracy=test_accuracy, wall_time_s=wall_time_s,
         final_params_sha256=records.tree_sha256(state.params),
         final_params_fingerprint=numerics.params_fingerprint(state.params),
+        model_parameters=int(sum(np.size(x) for x in jax.tree.leaves(state.params))),
         host_numerics=numerics.host_numerics(),
         resumed_from_steps=progress.resumed_from, nonfinite_examples=progress.nonfinite_total,
         fidelity=fidelity_summary(config, progress.fidelity),

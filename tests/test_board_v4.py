@@ -73,7 +73,7 @@ def test_a_decided_label_does_not_depend_on_the_stream_that_computed_it():
 def test_the_ladder_slope_says_grows_only_when_the_gain_grows_with_the_parameters():
     rng = np.random.default_rng()
     cells = []
-    for rung, (params, model) in enumerate([(26_000, "tanh_cnn"), (100_000, "tanh_cnn_x2"),
+    for rung, (params, model) in enumerate([(26_000, "tanh_cnn_x1"), (100_000, "tanh_cnn_x2"),
                                              (400_000, "tanh_cnn_x4")]):
         cells += board(rng, {"grow": 2.0 * rung, "flat": -0.5 + 0.5 * (rung % 2)},
                        model=model, parameters=params)
@@ -154,3 +154,32 @@ def test_dpbench_board_renders_a_registered_board_with_its_analysis_or_refuses(t
     (board_dir / "analysis.json").write_text(json.dumps(analysis, indent=1))
     assert build.main([f"--records={board_dir / 'records'}"]) == 2
     assert "differs from its registration" in capsys.readouterr().err
+
+
+def test_the_v4_protocols_are_the_registered_design():
+    """leaderboard/v4's two protocols load, name the board's analysis, and hold the design it
+    registered: K 32 and 8 retrains on the four present groups; K 16 and 4 retrains on every
+    ladder rung, each rung a model v4.ladders reads as one, the widest >= 8x the parameters of
+    the narrowest, every rung searched in the same space."""
+    import jax
+    import jax.numpy as jnp
+    from dpbench.models import registry
+    from dpbench.search.protocol import load_protocol
+    from tests.conftest import REPO_ROOT
+    main = load_protocol(REPO_ROOT / "leaderboard" / "v4" / "protocol.json")
+    ladder = load_protocol(REPO_ROOT / "leaderboard" / "v4" / "ladder.json")
+    assert main["analysis"] == ladder["analysis"] == "analysis.json"
+    assert (main["trials"]["fixed"], len(main["seeds"]) - 1) == (32, 8)
+    assert sorted(main["epsilons"]) == [1.0, 3.0] and len(main["families"]) == 2
+    assert (ladder["trials"]["fixed"], len(ladder["seeds"]) - 1, ladder["epsilons"]) == (
+        16, 4, [3.0])
+    counts = {}
+    for family, spec in ladder["families"].items():
+        model = family.split("__")[1]
+        assert v4.LADDER_RUNG.fullmatch(model), family
+        shape = jax.eval_shape(registry.make_model(10, model).init, jax.random.key(0),
+                               jnp.zeros((1, 28, 28, 1)))
+        counts[model] = sum(x.size for x in jax.tree.leaves(shape))
+    assert max(counts.values()) >= 8 * min(counts.values()), counts
+    spaces = [spec["space"] for spec in ladder["families"].values()]
+    assert all(space == spaces[0] for space in spaces)

@@ -28,6 +28,7 @@ depend on the stream (decide.py's guarantee, with the registered flip probabilit
 from __future__ import annotations
 
 import math
+import re
 from pathlib import Path
 from typing import NamedTuple, Optional
 
@@ -42,7 +43,7 @@ from dpbench.search import space as search_space
 from dpbench.search import tuning
 
 CHUNK = 100_000  # draws made at a time (memory: K x CHUNK trial indices)
-LADDER_MODEL = "tanh_cnn"  # the ladder's rungs are this model's widths: tanh_cnn, tanh_cnn_x2, ...
+LADDER_RUNG = re.compile(r"tanh_cnn_x\d+")  # the ladder's rungs (ladder.json): tanh_cnn_x1, _x2, ...
 
 
 class Arm(NamedTuple):
@@ -175,7 +176,7 @@ def ladders(cells: list) -> dict:
     parameter count), ordered by parameters; only methods with at least two rungs."""
     by_method: dict = {}
     for cell in cells:
-        if cell.model.split("_x")[0] == LADDER_MODEL and cell.mine.parameters:
+        if LADDER_RUNG.fullmatch(cell.model) and cell.mine.parameters:
             by_method.setdefault(cell.method, []).append(cell)
     return {m: sorted(c, key=lambda c: c.mine.parameters) for m, c in by_method.items()
             if len({c.mine.parameters for c in c}) >= 2}

@@ -1,8 +1,8 @@
 """The tanh CNN of Papernot et al. 2021 ("Tempered sigmoid activations"), registered as
 ``tanh_cnn``: the board's reference model for 28x28 images; and its wider twins for board v4's
-dimension ladder, ``tanh_cnn_x2``, ``tanh_cnn_x4`` and ``tanh_cnn_x8``: every layer's channels
-and hidden units times 2, 4 or 8 (the same architecture; about 26k, 0.1M, 0.4M and 1.6M
-parameters on 10 classes)."""
+dimension ladder, ``tanh_cnn_x1`` (itself), ``tanh_cnn_x2``, ``tanh_cnn_x4`` and ``tanh_cnn_x8``:
+every layer's channels and hidden units times 1, 2, 4 or 8 (the same architecture; about 26k,
+0.1M, 0.4M and 1.6M parameters on 10 classes)."""
 
 from __future__ import annotations
 
@@ -53,6 +53,6 @@ def _tanh_cnn(width_multiplier: int):
 
 registry.register_model("tanh_cnn", _tanh_cnn(1), features="pixels",
                         describe_inputs=_describe_inputs)
-for _multiplier in (2, 4, 8):
+for _multiplier in (1, 2, 4, 8):  # x1: the tanh CNN under the ladder's name (its own group)
     registry.register_model(f"tanh_cnn_x{_multiplier}", _tanh_cnn(_multiplier),
                             features="pixels", describe_inputs=_describe_inputs)

@@ -103,7 +103,8 @@ def test_the_same_records_give_the_same_bytes():
 def _write_group(records, group, k, rng, gain):
     """search.json and the records of DP-SGD and 'up' (``gain`` points better) in ``group``."""
     import json
-    plan = dict(group=group, family="fashion_mnist__tanh_cnn", num_trials=k, seeds=[0, 1, 2],
+    plan = dict(group=group, family="fashion_mnist__tanh_cnn", num_trials=k,
+                seeds=[0, 1, 2, 3, 4],
                 family_spec=dict(space={"clip.global_l2.l2_bound": {"log_uniform": [0.1, 1]}},
                                  methods={"dpsgd": {}, "up": {}}),
                 methods={m: dict(trials=[[f"clip.global_l2.l2_bound = {0.1 + t / 100}"]
@@ -115,7 +116,7 @@ def _write_group(records, group, k, rng, gain):
         a = arm(rng, quality, shift)
         runs = {(t, 0): (a.validation[t], a.test[t]) for t in range(k)}
         runs.update({(a.winner, s): (a.validation[a.winner], r)
-                     for s, r in zip((1, 2), a.retrains)})
+                     for s, r in zip((1, 2, 3, 4), a.retrains)})
         for (t, s), (val, test) in runs.items():
             path = records / group / f"{method}-t{t}-seed{s}" / "run_record.json"
             path.parent.mkdir(parents=True)

@@ -66,3 +66,30 @@ def test_holm_is_the_boards_own_and_bad_schedules_are_refused():
     for schedule in ((), (100, 10), (0, 10)):
         with pytest.raises(ValueError, match="increasing positive"):
             decide.decide(lambda n: np.zeros(3), ALPHA, schedule, FLIP)
+
+
+def test_later_looks_draw_only_the_undecided_and_decide_as_the_full_family_would():
+    """With ``hits_for``, every look after the first asks only for the comparisons still
+    undecided (at the end, the boundary one alone) and the labels keep the guarantee above: each decided
+    label is the infinite-draw one (false failure <= 2e-6 over the two calls)."""
+    rng = np.random.default_rng()
+    p = _family(rng)
+    truth = np.where(decide.holm_adjusted(p) < ALPHA, "reject", "retain")
+    boundary = int(np.argmin(np.abs(decide.holm_adjusted(p) - ALPHA)))
+    asked = []
+    draw = np.random.default_rng(np.random.SeedSequence().spawn(1)[0])
+
+    def hits_for(n, indices):
+        asked.append((n, list(indices)))
+        return draw.binomial(n, p[indices])
+
+    d = decide.decide(lambda n: hits_for(n, np.arange(len(p))), ALPHA, SCHEDULE, FLIP,
+                      hits_for=hits_for)
+    assert asked[0] == (SCHEDULE[0], list(range(len(p))))
+    sets = [set(indices) for _, indices in asked]
+    assert len(sets) > 1 and all(later <= earlier for earlier, later in zip(sets, sets[1:]))
+    assert sets[1] < sets[0] and sets[-1] == {boundary}  # only the undecided are drawn again
+    assert d.labels[boundary] == "undecided" and d.draws == SCHEDULE[-1]
+    assert all(d.labels[i] == truth[i] for i in range(len(p)) if i != boundary)
+    full = decide.decide(_stream(p, np.random.SeedSequence()), ALPHA, SCHEDULE, FLIP)
+    assert full.labels == d.labels

@@ -144,26 +144,6 @@ def test_holm_on_a_known_case():
     assert uncertainty.holm({"x": 0.7, "y": 0.9}) == {"x": 1.0, "y": 1.0}
 
 
-def test_seed_variances_pool_only_when_bartlett_finds_them_homogeneous():
-    """Three methods' retrain seeds with one spread: pooled (df = sum(n - 1) = 9), and the
-    seed part's s.e. is the pooled s.d. x sqrt(1/n_a + 1/n_b); one method 20x as spread:
-    Bartlett rejects (p < 1e-6 here) and the seed part falls back to Welch. False failures:
-    Bartlett's p under equal variances is uniform, so the homogeneous case fails 5% of the
-    time at alpha 0.05 on random draws: the seeds below are fixed values, not random."""
-    a, b, c = [0.80, 0.81, 0.79, 0.80], [0.82, 0.83, 0.815, 0.825], [0.70, 0.71, 0.69, 0.70]
-    pooled = uncertainty.pooled_seed_variance([a, b, c])
-    assert pooled["pooled"] and pooled["df"] == 9 and pooled["bartlett_p"] > 0.5
-    want = (np.var(a, ddof=1) + np.var(b, ddof=1) + np.var(c, ddof=1)) / 3
-    assert pooled["variance"] == pytest.approx(want)
-    gain, se, df = uncertainty.seed_part(a, b, pooled)
-    assert (gain, se, df) == (pytest.approx(np.mean(b) - np.mean(a)),
-                              pytest.approx(np.sqrt(want * (1 / 4 + 1 / 4))), 9.0)
-    spread = [0.60, 0.90, 0.50, 0.95]
-    apart = uncertainty.pooled_seed_variance([a, b, spread])
-    assert not apart["pooled"] and apart["bartlett_p"] < 1e-3
-    assert uncertainty.seed_part(a, spread, apart) == uncertainty.welch(a, spread)
-
-
 def test_the_interval_reports_its_monte_carlo_error_p_value_and_detectable_gain():
     """No selection spread, seed part normal-ish (df large): the p-value of 'no gain' is the
     t law's two-sided tail at gain / s.e., the minimum detectable gain is (1.96 + 0.84) s.e.,

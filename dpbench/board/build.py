@@ -119,7 +119,7 @@ def _paired_verdicts(table, finished, older, claims, out_dir, earlier_records,
         except (tuning.SearchRecordError, ValueError) as e:
             raise LeaderboardError(f"{group}: {e}") from e
         analyses.append((analysis, earlier_search))
-    paired.apply_holm([a for a, _ in analyses])  # one family: every comparison on the board
+    paired.apply_rule([a for a, _ in analyses])  # one family: every comparison on the board
     out = []
     for analysis, earlier_search in analyses:
         out.append(dict(group=analysis["group"], forest=plot_forest(analysis, out_dir),
@@ -132,16 +132,9 @@ def _paired_verdicts(table, finished, older, claims, out_dir, earlier_records,
 
 
 def _seed_text(analysis: dict) -> str:
-    """How the seed part was estimated (pooled when Bartlett does not reject), and any run
-    published twice that composes once."""
-    pooled = analysis["pooled"]
-    if pooled["pooled"]:
-        text = (f" Seed part: variance pooled over the group's methods (Bartlett p "
-                f"{pooled['bartlett_p']:.2f}; {pooled['df']} degrees of freedom).")
-    else:
-        text = (" Seed part: Welch per comparison (Bartlett p "
-                + ("n/a" if pooled["bartlett_p"] is None else f"{pooled['bartlett_p']:.3f}")
-                + ": the seed variances are not shown homogeneous).")
+    """How the seed part was estimated, and any run published twice that composes once."""
+    text = (" Seed part: Welch per comparison (the rule's variance model: each arm's own "
+            "variance, no data-dependent gate).")
     twice = {m: r["duplicate_runs"] for m, r in sorted(analysis["methods"].items())
              if r.get("duplicate_runs")}
     if twice:

@@ -15,7 +15,7 @@ at most ``flip_probability``, whatever stream drew it.
 
 from __future__ import annotations
 
-from typing import Callable, NamedTuple, Sequence
+from typing import Callable, NamedTuple, Optional, Sequence
 
 import numpy as np
 import scipy.stats
@@ -48,23 +48,38 @@ def proportion_bounds(hits, draws: int, tail: float) -> tuple:
 
 
 def decide(hits_at: Callable[[int], np.ndarray], alpha: float, schedule: Sequence[int],
-           flip_probability: float) -> Decision:
+           flip_probability: float,
+           hits_for: Optional[Callable[[int, np.ndarray], np.ndarray]] = None) -> Decision:
     """The family's labels at level ``alpha`` (Holm). ``hits_at(n)`` gives, per comparison,
     how many of ``n`` bootstrap draws are at least as extreme as the data (its p-value is the
     proportion); it is called with the ``schedule``'s sizes in turn until every label is
-    settled."""
+    settled. Each look draws again only the comparisons still undecided (``hits_for(n,
+    indices)``, when given, computes just those): a settled comparison keeps its bounds, and
+    every comparison's bounds are the intersection of its looks' intervals, so they only
+    tighten and a settled label stays settled (Holm's adjusted bounds are monotone in every
+    raw one)."""
     if not schedule or list(schedule) != sorted(schedule) or schedule[0] <= 0:
         raise ValueError(f"the schedule must be increasing positive draw counts, got "
                          f"{schedule!r}")
     if not 0 < flip_probability < 1 or not 0 < alpha < 1:
         raise ValueError("alpha and flip_probability must lie in (0, 1)")
+    low = high = todo = None
     for draws in schedule:
-        hits = np.asarray(hits_at(int(draws)))
-        tail = flip_probability / (2 * len(hits) * len(schedule))
-        low, high = proportion_bounds(hits, int(draws), tail)
+        if todo is None:
+            hits = np.asarray(hits_at(int(draws)))
+            low, high, todo = np.zeros(len(hits)), np.ones(len(hits)), np.arange(len(hits))
+            if not len(hits):  # no comparison: nothing to decide
+                return Decision((), int(draws), low, high)
+        else:
+            hits = np.asarray(hits_for(int(draws), todo) if hits_for is not None
+                              else np.asarray(hits_at(int(draws)))[todo])
+        tail = flip_probability / (2 * len(low) * len(schedule))
+        new_low, new_high = proportion_bounds(hits, int(draws), tail)
+        low[todo], high[todo] = np.maximum(low[todo], new_low), np.minimum(high[todo], new_high)
         adjusted_low, adjusted_high = holm_adjusted(low), holm_adjusted(high)
         labels = tuple("reject" if hi < alpha else "retain" if lo >= alpha else "undecided"
                        for lo, hi in zip(adjusted_low, adjusted_high))
         if "undecided" not in labels:
             break
+        todo = np.array([i for i, label in enumerate(labels) if label == "undecided"])
     return Decision(labels, int(draws), adjusted_low, adjusted_high)

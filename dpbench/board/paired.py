@@ -33,7 +33,8 @@ from dpbench.search import junk as search_junk
 from dpbench.search import methods
 from dpbench.search import space as search_space
 from dpbench.search import tuning
-from dpbench.board import uncertainty
+from dpbench.board import uncertainty, v4
+from dpbench.search import registration
 from dpbench.board.results import BASELINE
 from dpbench.search.tuning import GROUP_PATTERN
 from dpbench.board.verdicts import baseline_check
@@ -137,24 +138,47 @@ def coarse_epsilon(events, delta: float) -> float:
                                     discretization=3e-3)
 
 
-def apply_holm(analyses) -> None:
+# Board v4's registered analysis: the rule every paired board's labels follow (board v3's own,
+# a Bartlett-gated pooled variance, Holm over better/worse only and a 3-error Monte Carlo guard,
+# was chosen after its data; its page now carries this one and says so)
+RULE = methods.REPO_ROOT / "leaderboard" / "v4" / registration.ANALYSIS
+
+
+def apply_rule(analyses, rule: dict | None = None, seed: int = 0) -> None:
     """Labels every comparison of ``analyses`` (analyse_group's dicts: one group, or a whole
-    board) from its bootstrap p-value Holm-adjusted over all of them (uncertainty.label)."""
-    cells = {(a["group"], m): r for a in analyses for m, r in a["methods"].items()
-             if "interval" in r}
-    adjusted = uncertainty.holm({key: uncertainty.conservative_p(r["interval"])
-                                 for key, r in cells.items()})
-    for key, r in cells.items():
-        r["p_adjusted"] = adjusted[key]
-        r["comparisons"] = len(cells)
-        r["verdict"] = uncertainty.label(r["interval"], adjusted[key])
+    board) by the registered rule (board/v4.py on the tuned gain; ``rule``: an analysis, default
+    :data:`RULE`'s): better / worse / equivalent within the margin, and the paper's claim, one
+    Holm family over all of them, each label settled by decide.py's Monte Carlo rule or
+    'undecided at N draws'. Each row's interval becomes the one at the Holm level that decided
+    its label, its MDE the gain that level detects with 80% power. ``seed``: another Monte
+    Carlo stream (a label must not depend on it)."""
+    rule = rule or registration.load_analysis(RULE)
+    cells = []
+    for a in analyses:
+        base = a["methods"][BASELINE]["arm"]
+        model = GROUP_PATTERN.match(a["group"])["model"]
+        cells += [v4.Cell(a["group"], m, a["epsilon"], model, base, r["arm"], r["shares"],
+                          v4.claim_low(r["claim_range"]))
+                  for m, r in sorted(a["methods"].items()) if m != BASELINE]
+    out = v4.analyse(cells, rule, seed, estimands=("tuned",))
+    for a in analyses:
+        for method, r in a["methods"].items():
+            if (a["group"], method) not in out["cells"]:
+                continue
+            t = out["cells"][(a["group"], method)]["tuned"]
+            r.update(verdict=t["label"], p_adjusted=t["p_adjusted"],
+                     comparisons=out["comparisons"], draws=out["draws"],
+                     claim_label=t.get("claim", {}).get("label"),
+                     interval=dict(r["interval"], gain=t["point"] / 100, low=t["low"] / 100,
+                                   high=t["high"] / 100, mde=t["mde"] / 100,
+                                   level=1 - 2 * t["level"], decided_by=t["decided_by"]))
 
 
 def analyse_group(group_dir, claims: dict, baseline_best=None, draws: int = DRAWS,
                   superseded_dir=None, bootstrap_seed: int = 0) -> dict:
     """The v3 verdicts of one finished paired group: {"methods": {method: {...}}, "baseline":
-    baseline_check's dict, "paired": True}, labelled with Holm over the group's own
-    comparisons (a board relabels over all of its groups: ``apply_holm``). ``superseded_dir``:
+    baseline_check's dict, "paired": True}, labelled by the registered rule over the group's own
+    comparisons (a board relabels over all of its groups: ``apply_rule``). ``superseded_dir``:
     the runs of an earlier search of this group whose results its space was revised after
     (their runs join each method's published epsilon). ``bootstrap_seed`` picks another
     Monte Carlo stream (0: the board's; a verdict must not depend on it)."""
@@ -166,7 +190,6 @@ def analyse_group(group_dir, claims: dict, baseline_best=None, draws: int = DRAW
     epsilon = float(GROUP_PATTERN.match(group_dir.name)["eps"])
     runs = {m: method_runs(group_dir, plan, m, s["winner"]) for m, s in summary.items()}
     base, base_winner = runs[BASELINE], summary[BASELINE]["winner"]
-    pooled = uncertainty.pooled_seed_variance([r["retrains"] for r in runs.values()])
     out = {}
     for method, s in summary.items():
         mine = runs[method]
@@ -181,7 +204,9 @@ def analyse_group(group_dir, claims: dict, baseline_best=None, draws: int = DRAW
                    deployment_note=s.get("deployment_note"),
                    claim=claims.get(method, {}),
                    claim_range=methods.claim_range(claims.get(method, {}).get("claim_gain"),
-                                                   epsilon))
+                                                   epsilon),
+                   arm=v4.Arm(mine["validation"], mine["test"], s["winner"], mine["retrains"],
+                              None), shares=v4.shares_keys(plan, method))
         if method != BASELINE:
             stream = ("boot",) if bootstrap_seed == 0 else ("boot", bootstrap_seed)
             rng = np.random.default_rng(search_space.stable_seed(group_dir.name, method,
@@ -191,7 +216,7 @@ def analyse_group(group_dir, claims: dict, baseline_best=None, draws: int = DRAW
                 draws=draws, rng=rng)
             realized = mine["test"][s["winner"]] - base["test"][base_winner]
             interval = uncertainty.gain_interval(base["retrains"], mine["retrains"], selection,
-                                                 realized, rng=rng, pooled=pooled)
+                                                 realized, rng=rng)
             row.update(interval=interval, paired_gains=uncertainty.paired_trial_gains(
                 base["test"], mine["test"], range(1, plan["num_trials"])))
         out[method] = row
@@ -199,6 +224,6 @@ def analyse_group(group_dir, claims: dict, baseline_best=None, draws: int = DRAW
     junk = search_junk.junk_breakdown(group_dir)
     analysis = dict(methods=out, baseline=check, paired=True, epsilon=epsilon,
                     group=group_dir.name, junk=(junk["junk"], junk["random"]),
-                    junk_breakdown=junk, pooled=pooled)
-    apply_holm([analysis])
+                    junk_breakdown=junk)
+    apply_rule([analysis], seed=bootstrap_seed)
     return analysis

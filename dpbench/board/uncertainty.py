@@ -11,12 +11,11 @@ Two sources, combined:
   of freedom, Student t quantiles (2-4 seeds: a 95% interval is +-2.8 to 4.3 s.e., not +-2).
 
 The interval: percentiles of gain + (selection draw - realized selection gain) + s.e. x T_df
-over paired Monte Carlo draws (the seed part pooled over the group's methods when Bartlett's
-test finds their seed variances homogeneous). Verdict words: 'better' / 'worse' only where the
-Holm-adjusted bootstrap p-value (over every comparison of the board) is below 5%; 'equivalent
-within +-1' where the 90% interval lies inside +-1 point; else 'inconclusive'. Each verdict
-comes with its minimum detectable gain (80% power), so 'inconclusive' says what the board
-could have seen.
+over paired Monte Carlo draws (Welch: each arm's own seed variance, no data-dependent gate).
+Labels on a paired board come from the registered rule (board/v4.py, paired.apply_rule);
+``label`` here is board v2's verdict word ('better' / 'worse' where the Holm-adjusted p is below
+5%, 'equivalent within +-1' where the 90% interval lies inside +-1 point, else
+'inconclusive'), kept for v2's page.
 """
 
 from __future__ import annotations
@@ -94,29 +93,6 @@ def welch(seeds_a: Sequence[float], seeds_b: Sequence[float]) -> tuple[float, fl
     return float(b.mean() - a.mean()), se, float(df)
 
 
-def pooled_seed_variance(seed_lists: Sequence[Sequence[float]], alpha: float = ALPHA) -> dict:
-    """The retrain seeds' variance pooled over a group's methods, when Bartlett's test does
-    not reject equal variances at ``alpha``: {"variance", "df", "bartlett_p", "pooled"}.
-    Pooling gives the seed part sum(n_i - 1) degrees of freedom instead of Welch's 2-6."""
-    lists = [np.asarray(s, np.float64) for s in seed_lists if len(s) >= 2]
-    df = sum(len(s) - 1 for s in lists)
-    variance = sum(s.var(ddof=1) * (len(s) - 1) for s in lists) / df if df else math.nan
-    if len(lists) < 2 or any(s.var() == 0 for s in lists):
-        return dict(variance=variance, df=df, bartlett_p=None, pooled=False)
-    p = float(scipy.stats.bartlett(*lists).pvalue)
-    return dict(variance=variance, df=df, bartlett_p=p, pooled=p >= alpha)
-
-
-def seed_part(seeds_a, seeds_b, pooled: Optional[dict] = None) -> tuple[float, float, float]:
-    """(gain, s.e., df) of the retrain means: the pooled variance when ``pooled`` says the
-    group's variances are homogeneous, else Welch."""
-    if pooled is None or not pooled["pooled"]:
-        return welch(seeds_a, seeds_b)
-    a, b = np.asarray(seeds_a, np.float64), np.asarray(seeds_b, np.float64)
-    se = math.sqrt(pooled["variance"] * (1 / len(a) + 1 / len(b)))
-    return float(b.mean() - a.mean()), se, float(pooled["df"])
-
-
 def _ends(values: np.ndarray, level: float) -> tuple[float, float]:
     tail = 100 * (1 - level) / 2
     lo, hi = np.percentile(values, [tail, 100 - tail])
@@ -124,15 +100,14 @@ def _ends(values: np.ndarray, level: float) -> tuple[float, float]:
 
 
 def gain_interval(seeds_a, seeds_b, selection: np.ndarray, realized: float, *,
-                  level: float = 0.95, rng: np.random.Generator,
-                  pooled: Optional[dict] = None) -> dict:
+                  level: float = 0.95, rng: np.random.Generator) -> dict:
     """The gain of B over A (means over retrain seeds) and its interval combining the
     selection draws (centred on ``realized``, the chosen winners' seed-0 gain) with the seed
-    part (s.e. x Student t; ``seed_part``). Also: the ends' Monte Carlo error (batch means),
+    part (Welch's s.e. x Student t). Also: the ends' Monte Carlo error (batch means),
     the two-sided bootstrap p-value of 'no gain', the 90% interval (equivalence), and the
     minimum gain detectable at 80% power (normal approximation: (z_0.975 + z_0.8) x the
     combined s.d.). Deterministic for a seeded ``rng``."""
-    gain, se, df = seed_part(seeds_a, seeds_b, pooled)
+    gain, se, df = welch(seeds_a, seeds_b)
     if len(selection) == 0:
         raise ValueError("no selection draw finished: cannot bound the selection part")
     t = rng.standard_t(df, size=len(selection)) if math.isfinite(df) else rng.standard_normal(
@@ -150,19 +125,12 @@ def gain_interval(seeds_a, seeds_b, selection: np.ndarray, realized: float, *,
                                                                  / len(combined))), sd=sd,
                 mde=float((scipy.stats.norm.ppf(1 - ALPHA / 2) + scipy.stats.norm.ppf(POWER))
                           * sd),
-                seed_se=se, seed_df=df, pooled=bool(pooled and pooled["pooled"]),
+                seed_se=se, seed_df=df,
                 selection_sd=float(np.std(selection, ddof=1)) if len(selection) > 1 else 0.0,
                 level=level, draws=len(selection))
 
 
 MC_GUARD = 3  # Monte Carlo errors between an estimate and a threshold before a label uses it
-
-
-def conservative_p(interval: dict) -> float:
-    """The bootstrap p-value plus MC_GUARD of its Monte Carlo errors: what Holm adjusts, so
-    that a p-value within Monte Carlo noise of a threshold cannot flip a verdict between
-    bootstrap seeds."""
-    return min(1.0, interval["p_value"] + MC_GUARD * interval["p_mc_error"])
 
 
 def holm(p_values: dict) -> dict:

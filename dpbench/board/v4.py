@@ -110,8 +110,14 @@ def read_cells(records_dir, plans: dict, claims: dict) -> list:
             claim = methods_lib.claim_range(claims.get(method, {}).get("claim_gain"), epsilon)
             cells.append(Cell(group, method, epsilon, match["model"], base,
                               read_arm(group_dir, plan, method), shares_keys(plan, method),
-                              None if claim is None else float(min(claim))))
+                              claim_low(claim)))
     return cells
+
+
+def claim_low(claim) -> Optional[float]:
+    """The smallest gain a claimed range (methods.claim_range: points, None for an open end)
+    claims; None when it claims no lower end."""
+    return None if claim is None or claim[0] is None else float(claim[0])
 
 
 def _rng(seed: int, *parts) -> np.random.Generator:
@@ -202,15 +208,17 @@ def _tost(margin: float):
     return lambda d: np.maximum(np.sum(~(d > -margin)), np.sum(~(d < margin)))
 
 
-def hypotheses(cells: list, analysis: dict, seed: int) -> list:
-    """The board's family, in a fixed order (each nan draw counts as a hit: conservative)."""
+def hypotheses(cells: list, analysis: dict, seed: int,
+               estimands: tuple = ("tuned", "paired")) -> list:
+    """The board's family, in a fixed order (each nan draw counts as a hit: conservative);
+    ``estimands``: which gains it labels (board v3's page labels the tuned gain alone)."""
     margin = float(analysis["margin_points"])
     out = []
     for cell in cells:
-        estimands = [("tuned", lambda n, c=cell: tuned_draws(c, n, seed))]
-        if cell.paired and len(paired_differences(cell)) >= 2:
-            estimands.append(("paired", lambda n, c=cell: paired_draws(c, n, seed)))
-        for name, draws in estimands:
+        estimands_here = [("tuned", lambda n, c=cell: tuned_draws(c, n, seed))]
+        if "paired" in estimands and cell.paired and len(paired_differences(cell)) >= 2:
+            estimands_here.append(("paired", lambda n, c=cell: paired_draws(c, n, seed)))
+        for name, draws in estimands_here:
             key = (cell.group, cell.method, name)
             out += [Hypothesis(key + ("better",), draws, lambda d: np.sum(~(d > 0))),
                     Hypothesis(key + ("worse",), draws, lambda d: np.sum(~(d < 0))),
@@ -231,16 +239,17 @@ def decide_family(family: list, analysis: dict):
     mc, alpha = analysis["monte_carlo"], float(analysis["family"]["alpha"])
     cache: dict = {}
 
-    def hits_at(n: int) -> np.ndarray:
+    def hits_for(n: int, indices) -> np.ndarray:
         hits = []
-        for h in family:
+        for i in indices:
+            h = family[i]
             if (id(h.draws), n) not in cache:
-                cache.clear() if len(cache) > 4 * len(family) else None
                 cache[(id(h.draws), n)] = h.draws(n)
             hits.append(int(h.null_side(cache[(id(h.draws), n)])))
         return np.array(hits)
 
-    return decide_lib.decide(hits_at, alpha, mc["schedule"], mc["flip_probability"] / 2)
+    return decide_lib.decide(lambda n: hits_for(n, range(len(family))), alpha,
+                             mc["schedule"], mc["flip_probability"] / 2, hits_for=hits_for)
 
 
 def holm_levels(decision, alpha: float) -> np.ndarray:
@@ -272,16 +281,20 @@ def _label(kinds: dict, draws: int) -> str:
     return "inconclusive"
 
 
-def analyse(cells: list, analysis: dict, seed: int = 0) -> dict:
+def analyse(cells: list, analysis: dict, seed: int = 0,
+            estimands: tuple = ("tuned", "paired")) -> dict:
     """The board's labels: {"cells": {(group, method): {estimand: {...}}}, "slopes": {method:
     {...}}, "draws", "comparisons"}; each estimand's point, label, interval and MDE (at the Holm
-    level of the hypothesis that decided it; 'better''s when none did), and the claim's label."""
-    family = hypotheses(cells, analysis, seed)
+    level of the hypothesis that decided it; when none did, of 'better' or 'worse', whichever
+    the data lean to), and the claim's label."""
+    family = hypotheses(cells, analysis, seed, estimands)
     decision = decide_family(family, analysis)
     alpha, power = float(analysis["family"]["alpha"]), float(analysis["mde"]["power"])
     levels = holm_levels(decision, alpha)
     by_key = {h.key: (h, label, level) for h, label, level
               in zip(family, decision.labels, levels)}
+    bounds = {h.key: (float(lo), float(hi)) for h, lo, hi
+              in zip(family, decision.adjusted_low, decision.adjusted_high)}
     first = int(analysis["monte_carlo"]["schedule"][0])
     out: dict = {"cells": {}, "slopes": {}, "draws": decision.draws,
                  "comparisons": len(family)}
@@ -293,11 +306,14 @@ def analyse(cells: list, analysis: dict, seed: int = 0) -> dict:
             if not kinds:
                 continue
             label = _label(kinds, decision.draws)
-            deciding = label if label in kinds else "better"
-            h, _, level = by_key[(cell.group, cell.method, estimand, deciding)]
+            key = (cell.group, cell.method, estimand)
+            deciding = label if label in kinds else min(  # the side the data lean to
+                ("better", "worse"), key=lambda k: bounds[key + (k,)][1])
+            h, _, level = by_key[key + (deciding,)]
             point = tuned_point(cell) if estimand == "tuned" else float(
                 np.mean(paired_differences(cell)))
             row[estimand] = dict(point=point, label=label, decided_by=deciding,
+                                 p_adjusted=bounds[h.key],
                                  **summary(h.draws(first), level, power))
             if "claim" in kinds:
                 row[estimand]["claim"] = dict(

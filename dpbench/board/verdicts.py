@@ -147,8 +147,10 @@ def verdict_tables(verdict_rows: dict) -> list:
 
 
 V3_COLUMNS = ("method", "paper", "paper's claim", "gain, seeds 1-4",
-              "95% interval (incl. search) ± MC error", "verdict (Holm)",
-              "min. detectable gain (80% power)", "paired per-trial gain: median (W-L, sign p)",
+              "interval (incl. search) at the level that decided the verdict",
+              "verdict (Holm, p bound); the claim",
+              "min. detectable gain (80% power, at that level)",
+              "paired per-trial gain: median (W-L, sign p)",
               "ε, K secret (deployment)", "ε, all published (distinct runs)",
               "earlier board's gain")
 
@@ -177,6 +179,14 @@ def deployment_cell(row: dict) -> str:
     return "n/a"
 
 
+def _p_bound(p: float) -> str:
+    """An upper bound on a Holm-adjusted p, rounded up (never printed below what it bounds)."""
+    if p >= 1:
+        return "1"
+    digits = max(2, -int(np.floor(np.log10(p))) + 1)
+    return f"{np.ceil(p * 10 ** digits) / 10 ** digits:.{digits}f}"
+
+
 def _p_text(p: float) -> str:
     return "< 0.001" if p < 0.001 else f"{p:.3f}"
 
@@ -202,9 +212,11 @@ def v3_table(analysis: dict, earlier: dict) -> tuple:
         cells.append([
             method, r["claim"].get("paper", "n/a"), r["claim"].get("claim", "n/a"),
             f"{100 * i['gain']:+.2f}",
-            f"[{100 * i['low']:+.2f}, {100 * i['high']:+.2f}] ± {100 * i['mc_error']:.3f}",
-            f"{r['verdict']} (p {_p_text(r['p_adjusted'])})", f"{100 * i['mde']:.2f}",
-            paired_cell(r["paired_gains"]), deployment_cell(r),
+            f"[{100 * i['low']:+.2f}, {100 * i['high']:+.2f}] ({100 * i['level']:.2f}%)",
+            f"{r['verdict']} (p ≤ {_p_bound(r['p_adjusted'][1])})"
+            + (f"; claim: {r['claim_label']}" if r.get("claim_label") else ""),
+            f"{100 * i['mde']:.2f}",
+            "unpaired: no shared knob" if not r["shares"] else paired_cell(r["paired_gains"]), deployment_cell(r),
             f"{r['published_epsilon']:.3f}",
             "n/a" if before is None else gain_text(*before)])
     return (f"Verdicts: {analysis['group']}", cells)

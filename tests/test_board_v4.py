@@ -20,7 +20,7 @@ def arm(rng, quality, shift, parameters=None, noise=0.001):
     validation = list(q + rng.normal(0, noise, len(q)))
     test = list(q + rng.normal(0, noise, len(q)))
     winner = int(np.argmax(validation))
-    retrains = list(q[winner] + rng.normal(0, 0.002, 4))
+    retrains = list(q[winner] + rng.normal(0, 0.0005, 4))
     return v4.Arm(validation, test, winner, retrains, parameters)
 
 
@@ -100,10 +100,20 @@ def test_the_same_records_give_the_same_bytes():
     assert a == b
 
 
+def _event():
+    import dp_accounting
+    from dpbench import accounting
+    return accounting.event_to_json(dp_accounting.SelfComposedDpEvent(
+        dp_accounting.PoissonSampledDpEvent(0.02, dp_accounting.GaussianDpEvent(1.0)), 500))
+
+
+EVENT = _event()
+
+
 def _write_group(records, group, k, rng, gain):
     """search.json and the records of DP-SGD and 'up' (``gain`` points better) in ``group``."""
     import json
-    plan = dict(group=group, family="fashion_mnist__tanh_cnn", num_trials=k,
+    plan = dict(group=group, family="fashion_mnist__tanh_cnn", num_trials=k, delta=1e-5,
                 seeds=[0, 1, 2, 3, 4],
                 family_spec=dict(space={"clip.global_l2.l2_bound": {"log_uniform": [0.1, 1]}},
                                  methods={"dpsgd": {}, "up": {}}),
@@ -121,7 +131,9 @@ def _write_group(records, group, k, rng, gain):
             path = records / group / f"{method}-t{t}-seed{s}" / "run_record.json"
             path.parent.mkdir(parents=True)
             path.write_text(json.dumps(dict(validation_accuracy=val, test_accuracy=test,
-                                            seed=s, model_parameters=26_000)))
+                                            seed=s, model_parameters=26_000,
+                                            final_params_sha256=f"{method}{t}{s}",
+                                            dp_event=EVENT)))
 
 
 def test_dpbench_board_renders_a_registered_board_with_its_analysis_or_refuses(tmp_path,
@@ -149,6 +161,10 @@ def test_dpbench_board_renders_a_registered_board_with_its_analysis_or_refuses(t
     page = (board_dir / "README.md").read_text()
     answer = page.split("## The answer")[1].split("##")[0]
     assert "**up**" in answer and "tuned gain better" in answer
+    # one tuning-inclusive epsilon per row: the 8 trials and 4 retrains (each a distinct run)
+    from dpbench.board import paired
+    want = paired.published_epsilon([(str(i), EVENT) for i in range(12)], 1e-5)
+    assert f"ε {want:.2f} for all it publishes, tuning included" in answer
     assert "Analysis registered in commit" in page and (board_dir / "plots" /
                                                         "v4-gains.svg").exists()
     analysis["margin_points"] = 2.0  # chosen after the data

@@ -48,12 +48,14 @@ def _gain_text(row: dict) -> str:
     return text
 
 
-def answer_lines(out: dict) -> list:
+def answer_lines(out: dict, epsilons: dict) -> list:
     """The answer, one line per (group, method), then one per method on the ladder."""
     lines = []
     for (group, method), row in sorted(out["cells"].items()):
         tuned = row["tuned"]
         parts = [f"**{method}**, {group.replace('__', ' ')}: tuned gain {_gain_text(tuned)}"]
+        parts.append(f"ε {epsilons[(group, method)]:.2f} for all it publishes, tuning "
+                     "included")
         parts.append("paired: unpaired (its space shares no knob with DP-SGD's)"
                      if row["unpaired"] else f"paired gain {_gain_text(row['paired'])}")
         if "claim" in tuned:
@@ -124,10 +126,25 @@ def _save(fig, path: Path) -> None:
     records_lib.atomic_write_text(path, buffer.getvalue())
 
 
-def table_lines(out: dict, cells: list) -> list:
+def published_epsilons(records_dir: Path, plans: dict, cells: list) -> dict:
+    """(group, method) -> the epsilon of everything the board publishes for the method in the
+    group, tuning included: its K trials and its retrains, each distinct run once, composed
+    with PLD (board/paired.published_epsilon)."""
+    from dpbench.board import paired
+    out = {}
+    for cell in cells:
+        plan = plans[cell.group]
+        runs = paired.method_runs(Path(records_dir) / cell.group, plan, cell.method,
+                                  cell.mine.winner)["runs"]
+        out[(cell.group, cell.method)] = paired.published_epsilon(runs, plan["delta"])
+    return out
+
+
+def table_lines(out: dict, cells: list, epsilons: dict) -> list:
     by_key = {(c.group, c.method): c for c in cells}
     lines = ["| group | method | K | winner: retrain mean (DP-SGD's) | tuned gain | interval | "
-             "label | MDE | paired gain | interval | label | claim |", "|" + "---|" * 12]
+             "label | MDE | paired gain | interval | label | claim | ε, all published "
+             "(tuning included) |", "|" + "---|" * 13]
     for key, row in sorted(out["cells"].items()):
         cell, t = by_key[key], row["tuned"]
         p = row.get("paired")
@@ -137,11 +154,13 @@ def table_lines(out: dict, cells: list) -> list:
             f"({100 * np.mean(cell.base.retrains):.2f})", _pts(t["point"]), _interval(t),
             t["label"], f"{t['mde']:.2f}", "unpaired" if p is None else _pts(p["point"]),
             "" if p is None else _interval(p), "" if p is None else p["label"],
-            t["claim"]["label"] if "claim" in t else "no claim"]) + " |")
+            t["claim"]["label"] if "claim" in t else "no claim",
+            f"{epsilons[key]:.2f}"]) + " |")
     return lines
 
 
-def render(out: dict, cells: list, registered: dict, board_dir: Path) -> Path:
+def render(out: dict, cells: list, registered: dict, board_dir: Path,
+           epsilons: dict) -> Path:
     """Writes ``board_dir``/README.md and its plots; returns the page's path."""
     analysis = registered["analysis"]
     plots = {}
@@ -157,7 +176,7 @@ def render(out: dict, cells: list, registered: dict, board_dir: Path) -> Path:
         f"Analysis registered in commit `{registered['commit'][:10]}` on {registered['date']} "
         "(`analysis.json`); every record under `records/` was committed after it, checked "
         "when this page was built (`dpbench board`).", "", "## The answer", "",
-        *answer_lines(out), "",
+        *answer_lines(out, epsilons), "",
         f"Labels: one Holm family of {out['comparisons']} hypotheses at "
         f"{analysis['family']['alpha']} over the whole board; 'equivalent' is within "
         f"+-{analysis['margin_points']} point; 'inconclusive' prints the gain the board could "
@@ -174,7 +193,7 @@ def render(out: dict, cells: list, registered: dict, board_dir: Path) -> Path:
                   "black undecided).", ""]
     if "ladder" in plots:
         lines += [f"![the dimension ladder]({plots['ladder']})", ""]
-    lines += ["## Tables", "", *table_lines(out, cells), ""]
+    lines += ["## Tables", "", *table_lines(out, cells, epsilons), ""]
     page = board_dir / PAGE
     records_lib.atomic_write_text(page, "\n".join(lines))
     return page
@@ -185,6 +204,8 @@ def build_v4(records_dir, methods_dirs, seed: int = 0) -> Path:
     (v4.analyse) and rendered beside them. Raises RegistrationError or SearchRecordError."""
     board_dir = Path(records_dir).resolve().parent
     registered = registration.registration(board_dir)
-    cells = v4.read_cells(records_dir, _plans(records_dir), methods_lib.claims(methods_dirs))
+    plans = _plans(records_dir)
+    cells = v4.read_cells(records_dir, plans, methods_lib.claims(methods_dirs))
     out = v4.analyse(cells, registered["analysis"], seed)
-    return render(out, cells, registered, board_dir)
+    return render(out, cells, registered, board_dir,
+                  published_epsilons(records_dir, plans, cells))

@@ -87,9 +87,10 @@ def plot_expected_best(table: dict, out_dir: Path) -> dict:
 
 def plot_forest(analysis: dict, out_dir: Path) -> str:
     """One SVG per paired (v3) group: each method's gain over DP-SGD (points, the mean over the
-    winners' retrain seeds) with its 95% interval including the search, a vertical line at 0,
-    and the paper's claimed range as a shaded band on the method's row (an open end runs to the
-    axis). Returns the plot's path relative to ``out_dir``."""
+    winners' retrain seeds) with its interval including the search (at the Holm level that
+    decided its verdict), a vertical line at 0, and the paper's claimed range as a shaded band
+    on the method's row (an open end runs to the axis). Returns the plot's path relative to
+    ``out_dir``."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -132,7 +133,8 @@ def plot_forest(analysis: dict, out_dir: Path) -> str:
     if analysis["baseline"]["status"] == "weaker":
         # its own line: on the group's line it ran past both sides of a 7-inch figure
         title += "\n(DP-SGD row below its best recorded configuration)"
-    labels = ("gain over DP-SGD, test accuracy points (95% interval incl. search)", "", title)
+    labels = ("gain over DP-SGD, test accuracy points (interval incl. search, at the level "
+              "that decided the verdict)", "", title)
     ax.set_xlabel(labels[0])
     ax.set_title(title.replace("__", ", "))
     fig.tight_layout()  # a short figure: keep the x label and title inside it

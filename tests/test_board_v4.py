@@ -200,3 +200,27 @@ def test_the_v4_protocols_are_the_registered_design():
     assert max(counts.values()) >= 8 * min(counts.values()), counts
     spaces = [spec["space"] for spec in ladder["families"].values()]
     assert all(space == spaces[0] for space in spaces)
+
+
+def test_a_row_against_a_weak_baseline_says_so_in_the_row(tmp_path):
+    """The baseline check on the v4 page: DP-SGD's row below the best DP-SGD configuration on
+    an earlier board (2+ retrain seeds, 10 points better) puts the caveat in the answer line
+    and the table row of every method of that group; none without a better one."""
+    from dpbench.board import v4_page
+    rng = np.random.default_rng()
+    cells = board(rng, {"up": 5.0})
+    base = cells[0].base
+    from dpbench.board.verdicts import baseline_check
+    better = dict(scores=[float(np.mean(base.retrains)) + 0.10 + d for d in (0.001, -0.001)],
+                  label="lr 2", where="archive/x/run_record.json", key=("v3", "k"))
+    check = baseline_check(base.retrains, better)
+    assert check["status"] == "weaker"
+    out = v4.analyse(cells, ANALYSIS, seed=1)
+    eps = {(cells[0].group, "up"): 3.0}
+    checks = {cells[0].group: check}
+    answer = "\n".join(v4_page.answer_lines(out, eps, checks))
+    table = "\n".join(v4_page.table_lines(out, cells, eps, checks))
+    assert "against a DP-SGD row below its best on record" in answer
+    assert "archive/x/run_record.json" in table.splitlines()[-1]
+    fine = {cells[0].group: baseline_check(base.retrains, None)}
+    assert "below its best" not in "\n".join(v4_page.answer_lines(out, eps, fine))

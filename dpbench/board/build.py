@@ -342,8 +342,9 @@ def _run_registered(args) -> int:
               "--out)", file=sys.stderr)
         return 2
     try:
-        page = v4_page.build_v4(args.records, [*args.methods_dirs, methods.BOARD_METHODS])
-    except (registration.RegistrationError, tuning.SearchRecordError,
+        page = v4_page.build_v4(args.records, [*args.methods_dirs, methods.BOARD_METHODS],
+                                history=args.history)
+    except (registration.RegistrationError, tuning.SearchRecordError, LeaderboardError,
             methods.MethodError) as e:
         print(f"dpbench: error: {e}", file=sys.stderr)
         return 2

@@ -20,8 +20,6 @@ from typing import Callable, NamedTuple, Optional, Sequence
 import numpy as np
 import scipy.stats
 
-from dpbench.board import uncertainty
-
 LABELS = ("reject", "retain", "undecided")
 
 
@@ -33,9 +31,16 @@ class Decision(NamedTuple):
 
 
 def holm_adjusted(p) -> np.ndarray:
-    """Holm's adjusted p-values (uncertainty.holm), in the input's order."""
-    adjusted = uncertainty.holm(dict(enumerate(np.asarray(p, float))))
-    return np.array([adjusted[i] for i in range(len(adjusted))])
+    """Holm's step-down adjusted p-values, in the input's order: the i-th smallest p times
+    (m - i), made monotone, capped at 1 (ties kept in input order). The board's one Holm
+    (uncertainty.holm is its dict form); scipy offers Benjamini-Hochberg only, which controls
+    the false discovery rate, not the chance of any false label."""
+    p = np.asarray(p, float)
+    order = np.argsort(p, kind="stable")
+    steps = np.minimum(1.0, (len(p) - np.arange(len(p))) * p[order])
+    adjusted = np.empty(len(p))
+    adjusted[order] = np.maximum.accumulate(steps) if len(p) else steps
+    return adjusted
 
 
 def proportion_bounds(hits, draws: int, tail: float) -> tuple:

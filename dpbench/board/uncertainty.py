@@ -26,6 +26,7 @@ from typing import Optional, Sequence
 import numpy as np
 import scipy.stats
 
+from dpbench.board import decide
 from dpbench.search.tuning import finished_score
 
 
@@ -134,15 +135,10 @@ MC_GUARD = 3  # Monte Carlo errors between an estimate and a threshold before a 
 
 
 def holm(p_values: dict) -> dict:
-    """Holm's step-down adjustment (family-wise error rate) of {name: p}: the i-th smallest p
-    times (m - i), made monotone, capped at 1. (scipy offers Benjamini-Hochberg only, which
-    controls the false discovery rate, not the chance of any false 'better'.)"""
-    names = sorted(p_values, key=lambda n: (p_values[n], n))
-    m, running, out = len(names), 0.0, {}
-    for i, name in enumerate(names):
-        running = max(running, min(1.0, (m - i) * p_values[name]))
-        out[name] = running
-    return out
+    """Holm's step-down adjustment (family-wise error rate) of {name: p}: decide.holm_adjusted,
+    keyed by name."""
+    names = sorted(p_values, key=lambda n: (p_values[n], n))  # ties in name order
+    return dict(zip(names, decide.holm_adjusted([p_values[n] for n in names]).tolist()))
 
 
 def label(interval: dict, p_adjusted: float, alpha: float = ALPHA,

@@ -48,7 +48,7 @@ def _gain_text(row: dict) -> str:
     return text
 
 
-def answer_lines(out: dict, epsilons: dict) -> list:
+def answer_lines(out: dict, epsilons: dict, checks: dict) -> list:
     """The answer, one line per (group, method), then one per method on the ladder."""
     lines = []
     for (group, method), row in sorted(out["cells"].items()):
@@ -56,6 +56,8 @@ def answer_lines(out: dict, epsilons: dict) -> list:
         parts = [f"**{method}**, {group.replace('__', ' ')}: tuned gain {_gain_text(tuned)}"]
         parts.append(f"ε {epsilons[(group, method)]:.2f} for all it publishes, tuning "
                      "included")
+        if caveat(checks[group]):
+            parts.append("**" + caveat(checks[group]) + "**")
         parts.append("paired: unpaired (its space shares no knob with DP-SGD's)"
                      if row["unpaired"] else f"paired gain {_gain_text(row['paired'])}")
         if "claim" in tuned:
@@ -140,11 +142,37 @@ def published_epsilons(records_dir: Path, plans: dict, cells: list) -> dict:
     return out
 
 
-def table_lines(out: dict, cells: list, epsilons: dict) -> list:
+def baseline_checks(cells: list, history=()) -> dict:
+    """group -> the baseline check (board/verdicts.baseline_check): is DP-SGD's row at least
+    the best other DP-SGD configuration on record (``history``: earlier boards' record
+    folders), seeds 1 and up? A row against a weaker baseline says so in the row."""
+    from dpbench.board.results import load_records
+    from dpbench.board.verdicts import baseline_check, best_recorded_baseline
+    from dpbench.search.tuning import GROUP_PATTERN
+    known = [dict(r, _set=str(d)) for d in history for r in load_records(Path(d))]
+    checks = {}
+    for cell in cells:
+        if cell.group in checks:
+            continue
+        m = GROUP_PATTERN.match(cell.group)
+        best = best_recorded_baseline(known, m["dataset"], m["model"], float(m["eps"]),
+                                      float(m["delta"]))
+        checks[cell.group] = baseline_check(cell.base.retrains, best)
+    return checks
+
+
+def caveat(check: dict) -> str:
+    if check["status"] != "weaker":
+        return ""
+    return (f"against a DP-SGD row below its best on record ({100 * check['row']:.2f} vs "
+            f"{100 * check['best']:.2f}, {check['best_where']})")
+
+
+def table_lines(out: dict, cells: list, epsilons: dict, checks: dict) -> list:
     by_key = {(c.group, c.method): c for c in cells}
     lines = ["| group | method | K | winner: retrain mean (DP-SGD's) | tuned gain | interval | "
              "label | MDE | paired gain | interval | label | claim | ε, all published "
-             "(tuning included) |", "|" + "---|" * 13]
+             "(tuning included) | baseline |", "|" + "---|" * 14]
     for key, row in sorted(out["cells"].items()):
         cell, t = by_key[key], row["tuned"]
         p = row.get("paired")
@@ -155,12 +183,12 @@ def table_lines(out: dict, cells: list, epsilons: dict) -> list:
             t["label"], f"{t['mde']:.2f}", "unpaired" if p is None else _pts(p["point"]),
             "" if p is None else _interval(p), "" if p is None else p["label"],
             t["claim"]["label"] if "claim" in t else "no claim",
-            f"{epsilons[key]:.2f}"]) + " |")
+            f"{epsilons[key]:.2f}", caveat(checks[key[0]]) or "ok"]) + " |")
     return lines
 
 
 def render(out: dict, cells: list, registered: dict, board_dir: Path,
-           epsilons: dict) -> Path:
+           epsilons: dict, checks: dict) -> Path:
     """Writes ``board_dir``/README.md and its plots; returns the page's path."""
     analysis = registered["analysis"]
     plots = {}
@@ -176,7 +204,7 @@ def render(out: dict, cells: list, registered: dict, board_dir: Path,
         f"Analysis registered in commit `{registered['commit'][:10]}` on {registered['date']} "
         "(`analysis.json`); every record under `records/` was committed after it, checked "
         "when this page was built (`dpbench board`).", "", "## The answer", "",
-        *answer_lines(out, epsilons), "",
+        *answer_lines(out, epsilons, checks), "",
         f"Labels: one Holm family of {out['comparisons']} hypotheses at "
         f"{analysis['family']['alpha']} over the whole board; 'equivalent' is within "
         f"+-{analysis['margin_points']} point; 'inconclusive' prints the gain the board could "
@@ -193,19 +221,21 @@ def render(out: dict, cells: list, registered: dict, board_dir: Path,
                   "black undecided).", ""]
     if "ladder" in plots:
         lines += [f"![the dimension ladder]({plots['ladder']})", ""]
-    lines += ["## Tables", "", *table_lines(out, cells, epsilons), ""]
+    lines += ["## Tables", "", *table_lines(out, cells, epsilons, checks), ""]
     page = board_dir / PAGE
     records_lib.atomic_write_text(page, "\n".join(lines))
     return page
 
 
-def build_v4(records_dir, methods_dirs, seed: int = 0) -> Path:
+def build_v4(records_dir, methods_dirs, seed: int = 0, history=()) -> Path:
     """The registered board whose records are ``records_dir``: checked (registration), analysed
-    (v4.analyse) and rendered beside them. Raises RegistrationError or SearchRecordError."""
+    (v4.analyse) and rendered beside them; ``history``: earlier boards' record folders, for
+    the baseline check. Raises RegistrationError or SearchRecordError."""
     board_dir = Path(records_dir).resolve().parent
     registered = registration.registration(board_dir)
     plans = _plans(records_dir)
     cells = v4.read_cells(records_dir, plans, methods_lib.claims(methods_dirs))
     out = v4.analyse(cells, registered["analysis"], seed)
     return render(out, cells, registered, board_dir,
-                  published_epsilons(records_dir, plans, cells))
+                  published_epsilons(records_dir, plans, cells),
+                  baseline_checks(cells, history))

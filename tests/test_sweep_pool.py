@@ -271,3 +271,25 @@ def test_a_pack_spans_its_familys_epsilons_and_a_failed_pack_retries_its_runs_al
     seen.clear()
     run(["true"])
     assert pool_module.MEMORY_FRACTION_ENV not in seen
+
+
+def test_a_pack_holds_trials_of_one_shape(tmp_path):
+    """Trials whose bindings give different batch sizes, or an EMA against none, are never in
+    one pack (its process would train their groups one after another); equal shapes are."""
+    pool_module = load_pool_module()
+    shapes = [["train.batch_size = 1024", "train.ema_decay = 0.0"],
+              ["train.batch_size = 2048", "train.ema_decay = 0.0"],
+              ["train.batch_size = 1024", "train.ema_decay = 0.99"],
+              ["train.batch_size = 1024", "train.ema_decay = 0.0", "optimize.lr = 2"]]
+    plan = dict(group=GROUP, epsilon=3.0, delta=1e-5, seeds=[0, 1], num_trials=4,
+                methods={"fast": dict(gin_files=["gin/data/digits.gin"], trials=shapes)})
+    (tmp_path / "records" / GROUP).mkdir(parents=True)
+    args = argparse.Namespace(records=tmp_path / "records", runs_dir=tmp_path / "runs",
+                              deadline_s=1000.0, out=tmp_path / "out", group_size=8)
+    pool = pool_module.Pool(sweep, [plan], args)
+    packs = []
+    while pool.jobs:
+        packs.append(sorted(j["trial"] for j in pool.take_pack("gpu")))
+    assert sorted(packs) == [[0, 3], [1], [2]]
+    assert pool_module.shape_of(dict(bindings=shapes[0])) != pool_module.shape_of(
+        dict(bindings=shapes[2]))

@@ -54,6 +54,20 @@ PACK_TRIAL_SHARE = 1 / 8  # a pack's process costs its slowest trial times 1 + s
 MEMORY_SHARE = 0.9     # of the device's memory, split evenly among the GPU workers' processes
 
 
+SHAPE_KEYS = ("train.batch_size", "train.micro_batch_size", "train.accelerator_micro_batch_size")
+
+
+def shape_of(job) -> tuple:
+    """What of a trial's bindings fixes its compiled step's shapes or structure (the batch, the
+    micro-batch, whether it keeps an EMA): a pack holds one shape, so its process trains one
+    group step, not several in turn (board v3's rerun on an H100: packs of 12-16 mixed trials
+    ran as 6-8 groups of 1-2 trials one after another, 440-525 s a pack)."""
+    bound = dict(b.split(" = ", 1) for b in job["bindings"] if " = " in b)
+    ema = bound.get("train.ema_decay")
+    return (tuple(bound.get(k) for k in SHAPE_KEYS),
+            None if ema is None else float(ema) > 0)
+
+
 def published_runs(records: Path, group: str) -> set:
     group_dir = records / group
     if not group_dir.is_dir():
@@ -161,8 +175,8 @@ class Pool:
 
     def take_pack(self, kind: str) -> list:
         """A GPU worker's next jobs: the job ``take`` gives, and up to ``--group_size`` - 1
-        more of its family (any epsilon: the same program up to sigma), method and phase that
-        fit before the deadline, trained as groups by one process (dpbench/run/group.py); one
+        more of its family (any epsilon: the same program up to sigma), method, phase and shape
+        (``shape_of``) that fit before the deadline, trained as groups by one process (dpbench/run/group.py); one
         job for a CPU worker, and for a run whose pack failed. [] when none fits."""
         first = self.take(kind)
         if first is None:
@@ -178,7 +192,7 @@ class Pool:
             same = [j for j in self.jobs if (j["group"].split("__eps")[0], j["method"]) == (
                 family, first["method"]) and self._is_seed_run(j) ==
                 self._is_seed_run(first) and self._available(j)
-                and self._name(j) not in self.alone]
+                and self._name(j) not in self.alone and shape_of(j) == shape_of(first)]
             for job in same:
                 if len(pack) >= size or MARGIN * self.gpu_estimate(pack + [job]) >= left:
                     break

@@ -293,3 +293,20 @@ def test_a_pack_holds_trials_of_one_shape(tmp_path):
     assert sorted(packs) == [[0, 3], [1], [2]]
     assert pool_module.shape_of(dict(bindings=shapes[0])) != pool_module.shape_of(
         dict(bindings=shapes[2]))
+
+
+def test_a_failed_packs_log_comes_back(tmp_path):
+    """A pack's runs share one log (pack-<key>.log); when a pack fails, the logs that come
+    back hold it (board v3's rerun brought back an empty failed_logs.tar.gz)."""
+    pool_module, pool = make_pool(tmp_path)
+    job = pool.take("gpu")
+    log = pool.args.runs_dir / GROUP / "pack-0123456789.log"
+    log.parent.mkdir(parents=True)
+    log.write_text("Traceback: the group step failed\n")
+    pool.finish(job, "gpu", time.time(), "failed: exit 1", pack=[job, dict(job, trial=9)])
+    pool_module.pack(pool, pool.args.out)
+    with tarfile.open(pool.args.out / "failed_logs.tar.gz") as tar:
+        names = tar.getnames()
+        assert f"{GROUP}/pack-0123456789.log" in names
+        text = tar.extractfile(f"{GROUP}/pack-0123456789.log").read().decode()
+    assert "the group step failed" in text

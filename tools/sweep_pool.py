@@ -345,14 +345,18 @@ def pack(pool: Pool, out: Path):
                 tar.add(records / group / name, arcname=f"{group}/{name}")
     os.replace(out / "records.tar.gz.part", out / "records.tar.gz")
     with tarfile.open(out / "failed_logs.tar.gz.part", "w:gz") as tar:
-        for d in done:
-            if d["outcome"] != "published":
-                log = pool.args.runs_dir / f"{d['run']}.log"
-                if log.exists():
-                    data = log.read_bytes()[-20000:]
-                    info = tarfile.TarInfo(d["run"] + ".log")
-                    info.size = len(data)
-                    tar.addfile(info, io.BytesIO(data))
+        logs = [f"{d['run']}.log" for d in done if d["outcome"] != "published"]
+        if any(d["outcome"] != "published" and d.get("pack", 1) > 1 for d in done):
+            # a pack's runs share one log (sweep/jobs.run_pack): every pack's goes back
+            logs += sorted(str(p.relative_to(pool.args.runs_dir))
+                           for p in pool.args.runs_dir.glob("*/pack-*.log"))
+        for name in dict.fromkeys(logs):
+            log = pool.args.runs_dir / name
+            if log.exists():
+                data = log.read_bytes()[-20000:]
+                info = tarfile.TarInfo(name)
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
     os.replace(out / "failed_logs.tar.gz.part", out / "failed_logs.tar.gz")
     (out / "pool.json.part").write_text(json.dumps(dict(
         done=done, left=left, gpu_disabled=pool.gpu_disabled, gpu_ratio=pool.gpu_ratio,

@@ -12,6 +12,15 @@ import dpbench.stages  # noqa: F401
 from dpbench import accounting, compiler, models, sampling, stages
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+def load_tool(name: str):
+    """A fresh import of tools/<name>.py (the tools are scripts, not a package)."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location(name, REPO_ROOT / "tools" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 # A hang guard, never a verdict: no test's subprocess takes a tenth of this even on a loaded
 # 2-core machine; one still running then is stuck, and the failure says "hung" and what.
 HANG_GUARD_S = 1800

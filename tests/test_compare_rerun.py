@@ -1,23 +1,18 @@
 """tools/compare_rerun.py: a protocol's rerun against the committed records, per group and
 method: the search's trials paired by configuration, the winners' retrains unpaired."""
 
-import importlib.util
 import json
 
 import numpy as np
 import pytest
 
-from tests.conftest import REPO_ROOT
+from tests.conftest import load_tool
 
 GROUP = "digits__logistic__eps3.0__delta1e-05"
 
 
 def _tool():
-    spec = importlib.util.spec_from_file_location("compare_rerun",
-                                                  REPO_ROOT / "tools" / "compare_rerun.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_tool("compare_rerun")
 
 
 def _write(root, plan, accuracy, skip=()):

@@ -4,7 +4,6 @@ seeds queued once a group's search is published, a failed trial retried once, th
 after two failures with no success, and what it packs for the trip back."""
 
 import argparse
-import importlib.util
 import json
 import tarfile
 import time
@@ -12,17 +11,13 @@ import time
 import pytest
 
 from dpbench import sweep
-from tests.conftest import REPO_ROOT
+from tests.conftest import load_tool
 
 GROUP = "digits__logistic__eps3.0__delta1e-05"
 
 
 def load_pool_module():
-    spec = importlib.util.spec_from_file_location("sweep_pool",
-                                                  REPO_ROOT / "tools" / "sweep_pool.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_tool("sweep_pool")
 
 
 def make_pool(tmp_path, deadline_s=1000.0, published=()):

@@ -270,13 +270,18 @@ def test_a_pack_spans_its_familys_epsilons_and_a_failed_pack_retries_its_runs_al
 
 def test_a_pack_holds_trials_of_one_shape(tmp_path):
     """Trials whose bindings give different batch sizes, or an EMA against none, are never in
-    one pack (its process would train their groups one after another); equal shapes are."""
+    one pack (its process would train their groups one after another); equal shapes are. A
+    trial that binds none of the shape's keys (a search's trial 0) has its gin files' shape
+    (digits.gin: batch 128, no EMA), so it packs with the trials that bind that shape."""
     pool_module = load_pool_module()
-    shapes = [["train.batch_size = 1024", "train.ema_decay = 0.0"],
+    shapes = [[],
+              ["train.batch_size = 1024", "train.ema_decay = 0.0"],
               ["train.batch_size = 2048", "train.ema_decay = 0.0"],
               ["train.batch_size = 1024", "train.ema_decay = 0.99"],
-              ["train.batch_size = 1024", "train.ema_decay = 0.0", "optimize.lr = 2"]]
-    plan = dict(group=GROUP, epsilon=3.0, delta=1e-5, seeds=[0, 1], num_trials=4,
+              ["train.batch_size = 1024", "train.ema_decay = 0.0", "optimize.lr = 2"],
+              ["train.batch_size = 128", "train.ema_decay = 0.0", "optimize.lr = 2"],
+              ["train.batch_size = 128", "train.ema_decay = 0.99"]]
+    plan = dict(group=GROUP, epsilon=3.0, delta=1e-5, seeds=[0, 1], num_trials=len(shapes),
                 methods={"fast": dict(gin_files=["gin/data/digits.gin"], trials=shapes)})
     (tmp_path / "records" / GROUP).mkdir(parents=True)
     args = argparse.Namespace(records=tmp_path / "records", runs_dir=tmp_path / "runs",
@@ -285,9 +290,14 @@ def test_a_pack_holds_trials_of_one_shape(tmp_path):
     packs = []
     while pool.jobs:
         packs.append(sorted(j["trial"] for j in pool.take_pack("gpu")))
-    assert sorted(packs) == [[0, 3], [1], [2]]
-    assert pool_module.shape_of(dict(bindings=shapes[0])) != pool_module.shape_of(
-        dict(bindings=shapes[2]))
+    assert sorted(packs) == [[0, 5], [1, 4], [2], [3], [6]]
+    assert pool_module.shape_of(dict(bindings=shapes[1])) != pool_module.shape_of(
+        dict(bindings=shapes[3]))
+    # a value spelt two ways is one shape; without its gin defaults trial 0 is a shape apart
+    assert pool_module.shape_of(dict(bindings=["train.batch_size = 1_024"])) == \
+        pool_module.shape_of(dict(bindings=["train.batch_size=1024"]))
+    assert pool_module.shape_of(dict(bindings=[])) != pool_module.shape_of(
+        dict(bindings=shapes[5]))
 
 
 def test_a_failed_packs_log_comes_back(tmp_path):

@@ -28,6 +28,7 @@ GPU operations; CPU trials with ``JAX_PLATFORMS=cpu``. ``--out`` receives what l
 from __future__ import annotations
 
 import argparse
+import ast
 import io
 import json
 import os
@@ -55,17 +56,45 @@ MEMORY_SHARE = 0.9     # of the device's memory, split evenly among the GPU work
 
 
 SHAPE_KEYS = ("train.batch_size", "train.micro_batch_size", "train.accelerator_micro_batch_size")
+EMA_KEY = "train.ema_decay"
 
 
-def shape_of(job) -> tuple:
+def shape_of(job, defaults=None) -> tuple:
     """What of a trial's bindings fixes its compiled step's shapes or structure (the batch, the
     micro-batch, whether it keeps an EMA): a pack holds one shape, so its process trains one
     group step, not several in turn (board v3's rerun on an H100: packs of 12-16 mixed trials
-    ran as 6-8 groups of 1-2 trials one after another, 440-525 s a pack)."""
-    bound = dict(b.split(" = ", 1) for b in job["bindings"] if " = " in b)
-    ema = bound.get("train.ema_decay")
-    return (tuple(bound.get(k) for k in SHAPE_KEYS),
-            None if ema is None else float(ema) > 0)
+    ran as 6-8 groups of 1-2 trials one after another, 440-525 s a pack). A key the trial does
+    not bind takes its value from ``defaults`` (its gin files' own: ``gin_defaults``), so a
+    search's trial 0, which binds only the family's base, packs with the trials equal to it."""
+    bound = {k.strip(): _literal(v) for k, v in
+             (b.split("=", 1) for b in job["bindings"] if "=" in b)}
+    value = {k: bound.get(k, (defaults or {}).get(k)) for k in (*SHAPE_KEYS, EMA_KEY)}
+    ema = value.pop(EMA_KEY)
+    return tuple(value.values()), None if ema is None else float(ema) > 0
+
+
+def _literal(text: str):
+    """A binding's value as gin would read it (``1024`` and ``1024.0`` and ``1_024`` alike)."""
+    try:
+        return ast.literal_eval(text.strip())
+    except (ValueError, SyntaxError):
+        return text.strip()
+
+
+def gin_defaults(gin_files) -> dict:
+    """The shape keys' values that ``gin_files`` (a method's and its family's) bind, parsed by
+    the checkout's own dpbench (``config.parse_config``); a key they leave unbound is absent."""
+    import gin
+    from dpbench import config
+    config.parse_config(list(gin_files), [])
+    out = {}
+    for key in (*SHAPE_KEYS, EMA_KEY):
+        try:
+            out[key] = gin.query_parameter(key)
+        except ValueError:  # not bound: the function's own default, the same for every trial
+            pass
+    gin.clear_config()
+    return out
 
 
 def published_runs(records: Path, group: str) -> set:
@@ -111,6 +140,9 @@ class Pool:
         self.ns = ns
         self.initial = {g: published_runs(args.records, g) for g in self.plans}
         self.cpu_s = cpu_estimates(args.records, self.plans)
+        # each method's gin defaults, parsed once before any worker starts (gin is global)
+        self.defaults = {tuple(m["gin_files"]): gin_defaults(m["gin_files"])
+                         for p in plans for m in p["methods"].values()}
         for plan in plans:
             self._queue(sweep._jobs([plan], "search", ns))
             self._maybe_seeds(plan["group"])
@@ -163,6 +195,9 @@ class Pool:
             return FIRST_GPU_S * (1 + PACK_TRIAL_SHARE * (len(jobs) - 1))
         return max(60.0, max(self.gpu_ratio) * self.pack_cpu_s(jobs))
 
+    def shape(self, job) -> tuple:
+        return shape_of(job, self.defaults.get(tuple(job["gin_files"])))
+
     def _is_seed_run(self, job) -> bool:
         return job["seed"] != self.plans[job["group"]]["seeds"][0]
 
@@ -192,7 +227,7 @@ class Pool:
             same = [j for j in self.jobs if (j["group"].split("__eps")[0], j["method"]) == (
                 family, first["method"]) and self._is_seed_run(j) ==
                 self._is_seed_run(first) and self._available(j)
-                and self._name(j) not in self.alone and shape_of(j) == shape_of(first)]
+                and self._name(j) not in self.alone and self.shape(j) == self.shape(first)]
             for job in same:
                 if len(pack) >= size or MARGIN * self.gpu_estimate(pack + [job]) >= left:
                     break

@@ -106,3 +106,19 @@ def test_a_stage_module_reloads_after_a_run(tmp_path, monkeypatch, caplog):
     importlib.reload(sys.modules["afterrun_stages"])
     _, stages = api.configure(["pipelines/dpsgd"], stages_gin)
     assert stages[1].options == {"factor": 0.25}
+
+
+def test_a_digits_run_with_the_data_files_defaults_learns(tmp_path):
+    """The README's "another dataset: add gin/data/digits.gin" on DP-SGD's pipeline, nothing else
+    bound, at eps 1: the data file sets its own length (5 epochs: 51 steps), so the training loss
+    falls. With the pipeline's Fashion-MNIST length (30 epochs: 305 steps) it climbed from 2.3 to
+    13 (seed 0). The seed is the record's fixed benchmark seed, so this is one fixed run, not a
+    statistical claim: measured 2.35 -> 0.64 here; the bound leaves room for another host."""
+    record = api.train(tmp_path / "run", ["pipelines/dpsgd", "gin/data/digits.gin"],
+                       ["EPSILON = 1.0", "train.log_every_steps = 1"])
+    assert (record["epochs"], record["steps"]) == (5, 51)
+    losses = [line["train_loss"] for line in map(
+        json.loads, (tmp_path / "run" / "metrics.jsonl").read_text().splitlines())
+        if "train_loss" in line]
+    assert len(losses) == 51 and losses[0] > 2.0
+    assert max(losses[-5:]) < 0.5 * losses[0], losses

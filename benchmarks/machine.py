@@ -52,5 +52,5 @@ def machine_facts() -> dict:
 
 
 def versions() -> dict:
-    from dpbench import records
-    return records.versions(VERSION_PACKAGES)
+    from dpbench import numerics
+    return numerics.versions(VERSION_PACKAGES)

@@ -42,7 +42,8 @@ import scipy.stats
 from absl import logging
 from dp_accounting import dp_event
 
-from dpbench import accounting, cli_args, config, data, models, records, sampling, sharding
+from dpbench import (accounting, cli_args, config, data, models, numerics, records, sampling,
+                     sharding)
 from dpbench.compiler.facts import RunInputs
 from dpbench.compiler.pipeline import compile_pipeline
 from dpbench.compiler.rules import PipelineError
@@ -335,7 +336,7 @@ def _audit_one(gin_files, bindings, claimed_epsilon: float, delta, out, trials: 
                        trials=trials, seed=seed)
     report = dict(pipeline=name, gin_files=list(gin_files), gin_bindings=list(bindings),
                   audit_settings=list(AUDIT_BINDINGS), **result.to_dict(),
-                  versions=records.versions())
+                  versions=numerics.versions())
     text = records.to_json(report)
     if out:
         records.atomic_write_text(out, text)

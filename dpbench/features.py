@@ -108,9 +108,7 @@ def make_transform(features: str) -> Optional[Scattering]:
 def default_cache_dir() -> Path:
     """``$DPBENCH_CACHE_DIR``, else ``$XDG_CACHE_HOME/dpbench``, else ``~/.cache/dpbench``;
     features live in its ``features/`` folder."""
-    root = os.environ.get("DPBENCH_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "dpbench")
-    return Path(root) / "features"
+    return records.cache_root() / "features"
 
 
 def _sha256(array: np.ndarray) -> str:

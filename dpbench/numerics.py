@@ -12,6 +12,8 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import platform
+from importlib import metadata
 from pathlib import Path
 
 import numpy as np
@@ -21,6 +23,8 @@ import numpy as np
 _ISA_FLAG_PREFIXES = ("avx", "fma", "f16c", "amx", "sse4", "bmi")
 _ENV_KNOBS = ("XLA_FLAGS", "NPY_DISABLE_CPU_FEATURES", "NPY_ENABLE_CPU_FEATURES",
               "OPENBLAS_CORETYPE", "OPENBLAS_NUM_THREADS")
+PACKAGES = ("jax", "jaxlib", "flax", "optax", "dp-accounting", "gin-config", "orbax-checkpoint",
+            "numpy")  # a run record's versions
 PROJECTIONS = 8  # random directions in the fingerprint (numpy PCG64: the same on every host)
 
 
@@ -64,16 +68,34 @@ def host_numerics(cpuinfo: Path = Path("/proc/cpuinfo")) -> dict:
     bit-identical runs; unequal ones agree only within the measured tolerance."""
     import jax  # imported here: only a caller that trains pays for it
 
-    from dpbench import records
-
-    versions = records.versions(("jax", "jaxlib", "numpy", "scipy", "dp-accounting"))
-    versions.pop("python")  # no bit depends on it
-    return {"versions": versions, "cpu": _cpuinfo(cpuinfo), "cores": os.cpu_count(),
+    computing = versions(("jax", "jaxlib", "numpy", "scipy", "dp-accounting"))
+    computing.pop("python")  # no bit depends on it
+    return {"versions": computing,
+            **host_numerics_without_jax(cpuinfo),
             # under taskset XLA's thread pool follows the affinity mask, and its reductions
             # split by thread: GEP's parameters differed between 1 and 2 usable cores
             "usable_cores": len(os.sched_getaffinity(0)),
-            "devices": jax.device_count(), "numpy_simd": _numpy_simd(), "blas": _blas(),
-            "env": {k: os.environ[k] for k in _ENV_KNOBS if k in os.environ}}
+            "devices": jax.device_count()}
+
+
+def versions(packages=PACKAGES) -> dict:
+    """Python's version and each package's installed version (None where not installed): what
+    a run record names as the software that computed it."""
+    out = {"python": platform.python_version()}
+    for name in packages:
+        try:
+            out[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            out[name] = None
+    return out
+
+
+def host_numerics_without_jax(cpuinfo: Path = Path("/proc/cpuinfo")) -> dict:
+    """The part of ``host_numerics`` that numpy, scipy and OpenBLAS read (dp_accounting's
+    arithmetic), found without importing JAX: the CPU, the core count, numpy's SIMD dispatch,
+    OpenBLAS and the environment knobs."""
+    return {"cpu": _cpuinfo(cpuinfo), "cores": os.cpu_count(), "numpy_simd": _numpy_simd(),
+            "blas": _blas(), "env": {k: os.environ[k] for k in _ENV_KNOBS if k in os.environ}}
 
 
 def numerics_digest(numerics: dict) -> str:

@@ -7,10 +7,8 @@ import hashlib
 import json
 import math
 import os
-import platform
 import secrets
 import subprocess
-from importlib import metadata
 from pathlib import Path
 
 RECORD_NAME = "run_record.json"          # a finished run's record
@@ -20,8 +18,14 @@ OPERATIVE_CONFIG_NAME = "operative_config.gin"  # the gin values the finished ru
 CHECKPOINTS_DIR = "checkpoints"          # orbax checkpoints with the privacy ledger
 SUPERSEDED_DIR = "superseded"            # finished runs moved aside by --overwrite
 DIVERGED_NAME = "diverged.json"          # a sweep trial that diverged (instead of a record)
-PACKAGES = ("jax", "jaxlib", "flax", "optax", "dp-accounting", "gin-config", "orbax-checkpoint",
-            "numpy")
+
+
+def cache_root() -> Path:
+    """dpbench's cache folder: ``$DPBENCH_CACHE_DIR``, else ``$XDG_CACHE_HOME/dpbench``, else
+    ``~/.cache/dpbench`` (features in ``features/``, the accountant's answers in
+    ``accounting/``). Everything in it is recomputed when missing or not valid."""
+    return Path(os.environ.get("DPBENCH_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "dpbench"))
 
 
 def atomic_write(path: Path, write) -> None:
@@ -100,17 +104,6 @@ def read_metrics(workdir: Path) -> list[dict]:
             except json.JSONDecodeError:
                 continue
     return rows
-
-
-def versions(packages=PACKAGES) -> dict:
-    """Python's version and each package's installed version (None where not installed)."""
-    out = {"python": platform.python_version()}
-    for name in packages:
-        try:
-            out[name] = metadata.version(name)
-        except metadata.PackageNotFoundError:
-            out[name] = None
-    return out
 
 
 def tree_sha256(tree) -> str:

@@ -42,7 +42,7 @@ PARAMS_TOL = 1e-5
 
 def _versions() -> dict:
     """The versions of the packages that compute (not Python's: no bit depends on it)."""
-    return {k: v for k, v in records.versions(GOLDEN_PACKAGES).items() if k != "python"}
+    return {k: v for k, v in numerics.versions(GOLDEN_PACKAGES).items() if k != "python"}
 
 
 def golden_mismatches(key: str, record: dict, golden: dict) -> list:

@@ -45,7 +45,7 @@ from dp_accounting import dp_event
 from dp_accounting.rdp import rdp_privacy_accountant
 
 from dpbench import accounting, records
-
+from dpbench.search import answers
 from dpbench.search.protocol import ProtocolError
 from dpbench.search.space import privacy_key, stable_seed
 
@@ -158,7 +158,14 @@ def search_epsilon(trial0_event: dp_event.DpEvent, support_events, *, mean_rando
                    shape: float, delta: float) -> float:
     """Epsilon at ``delta`` of releasing the winner of trial 0 plus J ~ TNB(mean_random, shape)
     random trials, each a run whose event is one of ``support_events`` (K secret; a fixed K is
-    the composition of its runs, ``composition_epsilon``)."""
+    the composition of its runs, ``composition_epsilon``). Remembered on disk (answers.py)."""
+    return answers.remembered(
+        ["search_epsilon", *map(accounting.event_to_json, [trial0_event, *support_events]),
+         float(mean_random), float(shape), float(delta)],
+        lambda: _search_epsilon(trial0_event, support_events, mean_random, shape, delta))
+
+
+def _search_epsilon(trial0_event, support_events, mean_random, shape, delta) -> float:
     orders = np.asarray(rdp_privacy_accountant.DEFAULT_RDP_ORDERS, dtype=np.float64)
     rdp0, overflow0 = _rdp_curve(trial0_event, orders)
     curves = [_rdp_curve(e, orders) for e in support_events]
@@ -191,9 +198,10 @@ def published_epsilon(events, delta: float, discretization: float = 1e-3) -> flo
     PLD composition of every run's own DpEvent (all K trials, the losers included, and the
     winner's retrains). True whatever is known about K: the board prints K and every trial, so
     Papernot & Steinke's epsilon (``search_epsilon``, K secret) does not cover it."""
-    budget = accounting.Budget(epsilon=1.0, delta=delta, accountant="pld",
-                               pld_discretization=discretization)
-    return accounting.epsilon_of(dp_event.ComposedDpEvent(list(events)), budget)
+    event = dp_event.ComposedDpEvent(list(events))
+    return answers.remembered(  # 1-3 s of PLD each, asked at every board build
+        ["published_epsilon", accounting.event_to_json(event), float(delta), float(discretization)],
+        lambda: accounting.epsilon_of(event, accounting.Budget(1.0, delta, "pld", discretization)))
 
 
 def composed_event(events_json) -> dp_event.DpEvent:

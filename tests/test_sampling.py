@@ -183,3 +183,122 @@ def test_an_over_full_batch_is_cut_to_a_uniform_random_subset():
     # 1.0e-5 at this 1e-5 (1.003e-4 at 1e-4); the twin's statistic sits ~10 sds above 1e-6's
     assert p_value(sampling.PoissonSampler(n, batch, seed=seed, padded_batch_size=padded)) > 1e-5
     assert p_value(_LowestIndicesTruncation(n, batch, seed=seed, padded_batch_size=padded)) < 1e-6
+
+
+# --- cyclic Poisson sampling (BandMF's sampler) ---------------------------------------------
+
+class _RedrawnEachEpochSampler(sampling.CyclicPoissonSampler):
+    """The broken twin: the right rate and the right parts per step, but the partition drawn
+    again every cycle of ``parts`` steps, so an example can be drawn at two steps closer than
+    ``parts`` (the last of one cycle and the first of the next)."""
+
+    def sample(self, step):
+        cycle = int(step) // self.parts
+        part_of = np.random.default_rng([self.seed, sampling.PARTITION_STREAM, cycle]).integers(
+            0, self.parts, self.dataset_size)
+        members = np.flatnonzero(part_of == self.part_of_step(step))
+        rng = np.random.default_rng([self.seed, int(step)])
+        size = min(int(rng.binomial(len(members), self.sampling_rate)), self.padded_batch_size)
+        chosen = members[rng.choice(len(members), size=size, replace=False)]
+        indices = np.zeros(self.padded_batch_size, np.int64)
+        indices[:size] = chosen
+        return sampling.BatchIndices(indices, np.arange(self.padded_batch_size) < size, size)
+
+
+def participation_steps(sampler, n, steps) -> list:
+    """For every example, the steps whose batch held it."""
+    seen = [[] for _ in range(n)]
+    for t in range(steps):
+        b = sampler.sample(t)
+        for i in b.indices[b.mask]:
+            seen[i].append(t)
+    return seen
+
+
+def closest_participations(sampler, n, steps) -> int:
+    """The fewest steps between two participations of one example (steps if none repeats)."""
+    gaps = [np.diff(s).min() for s in participation_steps(sampler, n, steps) if len(s) > 1]
+    return int(min(gaps, default=steps))
+
+
+@pytest.mark.parametrize("parts", [2, 4, 7])
+def test_cyclic_poisson_draws_each_example_only_at_its_parts_steps(parts):
+    """What banded noise relies on: an example is drawn only at steps t = its part mod parts,
+    so two participations are at least ``parts`` steps apart and there are at most
+    ceil(steps / parts) of them; the partition is the same for every step and every process.
+    A twin that draws the partition again every cycle puts an example at two adjacent steps."""
+    n, batch, steps = 300, 30, 240
+    seed = int(np.random.default_rng().integers(1e9))
+    sampler = sampling.CyclicPoissonSampler(n, batch, seed=seed, parts=parts)
+    assert sampler.sampling_rate == pytest.approx(batch * parts / n)
+    part_of = np.empty(n, int)
+    for j, members in enumerate(sampler.members):
+        part_of[members] = j
+    for i, drawn in enumerate(participation_steps(sampler, n, steps)):
+        assert all(t % parts == part_of[i] for t in drawn), (i, drawn, part_of[i])
+        assert len(drawn) <= sampler.participations(steps) == -(-steps // parts)
+    assert closest_participations(sampler, n, steps) >= parts == sampler.min_separation
+    again = sampling.CyclicPoissonSampler(n, batch, seed=seed, parts=parts)
+    assert all(np.array_equal(a, b) for a, b in zip(sampler.members, again.members))
+    np.testing.assert_array_equal(sampler.sample(17).indices, again.sample(17).indices)
+    # the broken twin (rate 0.2-0.7 over 240 steps: an adjacent pair is all but certain; the
+    # chance that none occurs is below 1e-12 at these sizes)
+    broken = _RedrawnEachEpochSampler(n, batch, seed=seed, parts=parts)
+    assert closest_participations(broken, n, steps) < parts
+
+
+def test_cyclic_poisson_includes_each_example_of_a_part_at_rate_p_and_parts_are_uniform():
+    """Within its part an example is drawn at rate p = B * parts / N (chi-square over the
+    examples' counts at their own steps); the parts are uniform: each example's part is a
+    uniform draw (chi-square over part sizes). Both exact tests at 1e-5 (false failures
+    2e-5 together)."""
+    n, batch, parts, steps = 2000, 50, 4, 800
+    seed = int(np.random.default_rng().integers(1e9))
+    sampler = sampling.CyclicPoissonSampler(n, batch, seed=seed, parts=parts)
+    sizes = np.array([len(m) for m in sampler.members])
+    assert sizes.sum() == n
+    assert scipy.stats.chisquare(sizes).pvalue > 1e-5
+    counts = np.zeros(n)
+    for t in range(steps):
+        b = sampler.sample(t)
+        counts[b.indices[b.mask]] += 1
+    p, own_steps = sampler.sampling_rate, steps // parts
+    chi2 = np.sum((counts - own_steps * p) ** 2 / (own_steps * p * (1 - p)))
+    assert scipy.stats.chi2.sf(chi2, n) > 1e-5
+    # the rate DP-SGD would draw at (B / N, a quarter of p) is rejected by the same statistic
+    q = batch / n
+    wrong = np.sum((counts - own_steps * q) ** 2 / (own_steps * q * (1 - q)))
+    assert scipy.stats.chi2.sf(wrong, n) < 1e-6
+
+
+def test_one_part_is_the_poisson_sampler_exactly():
+    """parts = 1 draws the same batches from the same seed, and has the same event."""
+    seed = int(np.random.default_rng().integers(1e9))
+    one = sampling.CyclicPoissonSampler(1000, 64, seed=seed, parts=1, pad_multiple=16)
+    plain = sampling.PoissonSampler(1000, 64, seed=seed, pad_multiple=16)
+    assert one.padded_batch_size == plain.padded_batch_size and one.min_separation == 1
+    for t in (0, 1, 37, sampling.PRE_TRAINING_STEP):
+        a, b = one.sample(t), plain.sample(t)
+        np.testing.assert_array_equal(a.indices, b.indices)
+        np.testing.assert_array_equal(a.mask, b.mask)
+    assert one.dp_event(1.3) == plain.dp_event(1.3)
+    assert one.participations(10) == plain.participations(10) == 10
+
+
+def test_cyclic_poisson_event_is_its_largest_parts_and_bad_settings_say_what_to_change():
+    sampler = sampling.CyclicPoissonSampler(1000, 100, seed=3, parts=4, padded_batch_size=120)
+    event = sampler.dp_event(1.5)
+    assert isinstance(event, dp_event.TruncatedSubsampledGaussianDpEvent)
+    assert event.dataset_size == max(len(m) for m in sampler.members) == sampler.largest_part
+    assert event.sampling_probability == pytest.approx(0.4) and event.truncated_batch_size == 120
+    assert max(sampler.sample(t).size for t in range(100)) <= 120
+    described = sampler.describe()
+    assert described["parts"] == 4 and described["sampling"] == "cyclic_poisson"
+    with pytest.raises(ValueError, match="set train.batch_size to at most 250"):
+        sampling.CyclicPoissonSampler(1000, 300, seed=0, parts=4)
+    with pytest.raises(ValueError, match="sampler.parts must be a positive integer"):
+        sampling.CyclicPoissonSampler(1000, 10, seed=0, parts=0)
+    assert isinstance(sampling.make_sampler(100, 10, 0, 1, parts=2),
+                      sampling.CyclicPoissonSampler)
+    with pytest.raises(ValueError, match="exclude each other"):
+        sampling.make_sampler(100, 10, 0, 1, allow_shuffled_batches=True, parts=2)

@@ -47,6 +47,9 @@ class PureDpEvent(dp_event.DpEvent):
 
 
 ONCE, EVERY_STEP = "once before training", "every step"
+# A mechanism that touches an example only at the steps that can sample it (a cyclic Poisson
+# sampler's part): counted as the sampler's participations, ceil(steps / parts).
+EVERY_PARTICIPATION = "every step that samples the example's part"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,7 +63,7 @@ class Mechanism:
     Attributes:
       name: what is released, in words ("Gaussian release of the clipped gradient sum").
       source: the stage(s) that declare the mechanism.
-      schedule: ONCE or EVERY_STEP.
+      schedule: ONCE, EVERY_STEP or EVERY_PARTICIPATION.
       event: the DpEvent of ONE occurrence (e.g. one sampled Gaussian step).
       count: how many times it runs in the ledger (the steps taken so far, or 1).
       details: machine-readable facts for the statement (sensitivity, noise multipliers, ...).

@@ -24,6 +24,9 @@ the mechanism whose epsilon the compiler calibrates here to ``--claimed_epsilon`
 
 Audit-only settings (documented in the report): augmentation off (it would move the canary
 pixel), SGD with learning rate 1, one step, q = 1. Stages that need a public split get digits'.
+A release with correlated noise over b bands is compiled on cyclic Poisson over b parts, at
+rate 1 in each part (its claim: one participation); the audit's one step sees its first noise
+vector, z_0 / c_0, and so cannot test the correlation (tests/stages/test_banded.py does).
 """
 
 from __future__ import annotations
@@ -46,7 +49,7 @@ from dpbench import (accounting, cli_args, config, data, models, numerics, recor
                      sharding)
 from dpbench.compiler.facts import RunInputs
 from dpbench.compiler.pipeline import compile_pipeline
-from dpbench.compiler.rules import PipelineError
+from dpbench.compiler.rules import PipelineError, sampler_parts
 from dpbench.models import losses
 from dpbench.stages.base import Stage
 
@@ -233,7 +236,11 @@ def run_audit(stages: Sequence[Stage], *, claimed_epsilon: float = 3.0, delta: f
     canary = _canary_problem(num_public, num_real, seed, canary_scale)
     shape, n = canary.images.shape[1:], len(canary.labels)  # the canary is example n - 1
     loss_fn = losses.cross_entropy_loss(canary.model)
-    sampler = sampling.PoissonSampler(n, n, seed=seed, pad_multiple=micro_batch_size)
+    parts = sampler_parts(stages)  # a correlated release's own sampler, at rate 1 in its part
+    sampler = (sampling.PoissonSampler(n, n, seed=seed, pad_multiple=micro_batch_size)
+               if parts == 1 else sampling.CyclicPoissonSampler(
+                   n, n / parts, seed=seed, parts=parts, pad_multiple=micro_batch_size,
+                   padded_batch_size=n))  # room for the audit's whole batch
     inputs = RunInputs(
         loss_fn=loss_fn, example_shape=shape, sampler=sampler,
         init_params=lambda key: canary.model.init(key, jnp.zeros((1,) + shape, jnp.float32)),

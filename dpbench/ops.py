@@ -37,10 +37,14 @@ def zero_if_nonfinite(tree, also_finite=True):
     return cleaned, 1.0 - finite.astype(jnp.float32)
 
 
-def add_gaussian_noise(tree, key: jax.Array, stddev):
-    """Adds independent N(0, stddev^2) noise to every coordinate; one fresh key per leaf."""
+def gaussian_noise(tree, key: jax.Array, stddev):
+    """Independent N(0, stddev^2) noise shaped like ``tree``; one fresh key per leaf."""
     leaves, treedef = jax.tree.flatten(tree)
     keys = jax.random.split(key, len(leaves))
-    noisy = [leaf + stddev * jax.random.normal(k, leaf.shape, leaf.dtype)
-             for leaf, k in zip(leaves, keys)]
-    return jax.tree.unflatten(treedef, noisy)
+    return jax.tree.unflatten(treedef, [stddev * jax.random.normal(k, leaf.shape, leaf.dtype)
+                                        for leaf, k in zip(leaves, keys)])
+
+
+def add_gaussian_noise(tree, key: jax.Array, stddev):
+    """Adds independent N(0, stddev^2) noise to every coordinate; one fresh key per leaf."""
+    return jax.tree.map(jnp.add, tree, gaussian_noise(tree, key, stddev))

@@ -158,6 +158,10 @@ def _describe_mechanism(m: dict) -> str:
     """One mechanism of the ledger in words, from its machine-readable fields."""
     times = "once before training" if m["schedule"] == "once before training" else (
         f"at each of {m['count']} steps")
+    cyclic = m.get("sampler_parts")
+    if cyclic:  # cyclic Poisson: an example can be drawn only at its part's steps
+        times = (f"{m['count']} times per example (cyclic Poisson sampling over {cyclic} parts "
+                 f"draws an example's part at one step in {cyclic}: ceil(steps / {cyclic}))")
     head = f"{m['name']} by {m['source']}, {times}: "
     if m["kind"] == "pure":
         return head + (
@@ -166,6 +170,15 @@ def _describe_mechanism(m: dict) -> str:
             f"{m['epsilon_total']:.6g}-DP event (no amplification by sampling claimed)")
     parts = m.get("parts", 1)
     text = head + f"Gaussian noise multiplier {m['noise_multiplier']:.6g}"
+    correlated = m.get("correlated_noise")
+    if correlated:
+        coefficients = ", ".join(f"{c:.4g}" for c in correlated.get(
+            "strategy_coefficients", []))
+        text += (f", its noise correlated across steps by {correlated['stage']}: the noise "
+                 f"added at step t is (C^-1 z)_t, z the steps' independent draws and C the "
+                 f"{correlated['bands']}-banded lower-triangular Toeplitz strategy "
+                 f"[{coefficients}] (every column of L2 norm <= 1), accounted by "
+                 f"{correlated['equivalence']},")
     if parts > 1:
         text += (f" on each of {parts} separately clipped parts of L2 norm <= "
                  f"{m['l2_sensitivity']:g} (clip stage {m['clip_stage']}), i.e. one Gaussian "
@@ -182,7 +195,14 @@ def _describe_mechanism(m: dict) -> str:
     if m.get("clip_note"):
         text += f"; {m['clip_note']}"
     text += ", on batches drawn by "
-    if m.get("truncated_batch_size") is not None:
+    if cyclic:
+        text += (f"cyclic Poisson sampling (each example's part drawn once before training, "
+                 f"independently of the data; within its part, rate q = "
+                 f"{m['sampling_probability']:.6g}")
+        text += (f", the largest part N = {m['dataset_size']}, at most "
+                 f"{m['truncated_batch_size']} examples)" if m.get("truncated_batch_size")
+                 is not None else ")")
+    elif m.get("truncated_batch_size") is not None:
         text += (f"truncated Poisson sampling (rate q = {m['sampling_probability']:.6g} over "
                  f"N = {m['dataset_size']}, at most {m['truncated_batch_size']} examples)")
     else:

@@ -138,12 +138,17 @@ def small_model(shape=(8, 8, 1), num_classes=4, name="logistic"):
 def compile_small(stage_list, *, n=64, batch_size=16, micro=8, noise_multiplier=None,
                   budget=None, total_steps=10, mesh=None, shape=(8, 8, 1), model_name="logistic",
                   padded_batch_size=None, seed=0, public_images=None, ema_decay=0.0,
-                  book_keeping=False, step_options=compiler.StepOptions()):
+                  book_keeping=False, step_options=compiler.StepOptions(), parts=1,
+                  sampler=None):
     """book_keeping: hand the compiler the model, so a chain it allows runs in book-keeping form
-    (as real runs do); without it the per-example gradients are materialized."""
+    (as real runs do); without it the per-example gradients are materialized. ``parts`` > 1:
+    cyclic Poisson sampling over that many parts; ``sampler``: that sampler instead."""
     model, loss_fn, init_params = small_model(shape, name=model_name)
-    sampler = sampling.PoissonSampler(n, batch_size, seed=seed, pad_multiple=micro,
-                                      padded_batch_size=padded_batch_size)
+    sampler = sampler or (sampling.PoissonSampler(n, batch_size, seed=seed, pad_multiple=micro,
+                                       padded_batch_size=padded_batch_size) if parts == 1 else
+               sampling.CyclicPoissonSampler(n, batch_size, seed=seed, parts=parts,
+                                             pad_multiple=micro,
+                                             padded_batch_size=padded_batch_size))
     budget = budget or accounting.Budget(epsilon=3.0, delta=1e-5)
     compiled = compiler.compile_pipeline(stage_list, compiler.RunInputs(
         loss_fn=loss_fn, init_params=init_params, example_shape=shape,

@@ -39,7 +39,8 @@ def sgd():
 
 
 @pytest.mark.parametrize("gin_file,claimed", [
-    ("pipelines/rs", 2.0), ("pipelines/gip", 3.0), ("pipelines/gep", 4.0)])
+    ("pipelines/rs", 2.0), ("pipelines/gip", 3.0), ("pipelines/gep", 4.0),
+    ("pipelines/bandmf", 3.0)])
 def test_correct_pipelines_stay_under_their_claim(gin_file, claimed):
     # fewer GEP anchors than the pipeline's 512 keep the test fast; the mechanism is the same
     bindings = ["gep.embed_and_clip.num_anchors = 128", "gep.embed_and_clip.num_basis = 40"]
@@ -58,7 +59,8 @@ def test_correct_pipelines_stay_under_their_claim(gin_file, claimed):
     # is more than 3.5 standard errors of a mean difference, so the audit is not vacuous (a
     # canary the release does not carry passes this with probability 2.3e-4). The shift over
     # its standard error is ~ N(sqrt(1000 / 4) / sigma_eff, 1); at the calibrated sigma (RS at
-    # epsilon 2: 1.994, GIP at 3: 1.392, GEP at 4: 1.529; measured z 7.6-11.8) its mean is
+    # epsilon 2: 1.994, GIP at 3: 1.392, GEP at 4: 1.529, BandMF at 3: 1.391, its one-step
+    # strategy being one band; measured z 7.6-11.8) its mean is
     # >= 7.9, so a correct pipeline fails this with probability <= Phi(3.5 - 7.9) = 5e-6.
     # (The former 5 standard errors failed RS ~1.7e-3 of the time: Phi(5 - 7.93).)
     z = result.mean_shift / (result.pooled_std * math.sqrt(4 / 1000))

@@ -178,14 +178,17 @@ def check_statement(record: dict) -> None:
         if m["kind"] == "gaussian":
             assert f"{m['noise_multiplier']:.6g}" in text
     # the sentence people read carries the record's own numbers: (epsilon, delta), N, the
-    # step count, each Gaussian's rate q = B / N (from the run's settings, not the statement)
+    # step count, each Gaussian's rate q = B / N (from the run's settings, not the statement;
+    # B parts / N within a part of cyclic Poisson sampling over that many parts)
     assert f"({record['epsilon']:.6g}, {record['delta']:g})-DP" in text
     assert f"for the {record['dataset_size']} private training examples" in text
     assert f" {record['steps']} training steps in all." in text
     for m in statement["mechanisms"]:
         if m["kind"] == "gaussian" and m.get("sampling_probability") is not None:
+            parts = record["sampling"].get("parts", 1)
+            assert parts == m.get("sampler_parts", 1)
             assert m["sampling_probability"] == pytest.approx(
-                record["batch_size"] / record["dataset_size"], rel=1e-12)
+                record["batch_size"] * parts / record["dataset_size"], rel=1e-12)
             assert f"rate q = {m['sampling_probability']:.6g}" in text
     covered = [item["what"] for item in statement["not_covered"]]
     for what in covered:

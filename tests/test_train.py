@@ -143,14 +143,18 @@ def ledger_lines(event) -> list:
 def check_statement_is_the_ledger(statement, run, train_config, end_step):
     """Every machine-readable field of every mechanism of ``statement`` is the one of the
     DpEvent the accountant composes (compiled.run_event), and the sampling rate is the expected
-    q = B / N over the run's N private examples."""
+    q = B / N over the run's N private examples (B parts / N over the largest of its parts, an
+    example's count its participations, for cyclic Poisson sampling over that many parts)."""
     lines = ledger_lines(run.compiled.run_event(end_step))
     mechanisms = statement["mechanisms"]
     assert len(mechanisms) == len(lines)
-    n, q = len(run.dataset.train), train_config.batch_size / len(run.dataset.train)
+    parts = getattr(run.sampler, "parts", 1)
+    n = len(run.dataset.train) if parts == 1 else run.sampler.largest_part
+    q = train_config.batch_size * parts / len(run.dataset.train)
     assert statement["steps"] == end_step and statement["sampling_rate"] == q
     for m, line in zip(mechanisms, lines):
-        steps = end_step if m["schedule"] == accounting.EVERY_STEP else 1
+        steps = {accounting.EVERY_STEP: end_step, accounting.ONCE: 1,
+                 accounting.EVERY_PARTICIPATION: -(-end_step // parts)}[m["schedule"]]
         assert m["count"] == steps, (m["name"], m["count"], steps)
         if isinstance(line, accounting.PureDpEvent):  # T pure releases as one pure event
             assert m["kind"] == "pure" and m["epsilon_total"] == line.epsilon

@@ -49,6 +49,10 @@ def _check_fns(i: int, stage: Stage, fns, num_per_example: int) -> None:
         raise PipelineError(f"{where}: layer_clip is for a clip stage (per-example -> bounded)")
     if hooks.finish_sum is not None and i >= num_per_example:
         raise PipelineError(f"{where}: finish_sum is for per-example stages (the clip and before)")
+    if (hooks.correlate is None) != (stage.privacy.correlation is None):
+        raise PipelineError(f"{where}: a release with correlated noise declares both "
+                            "Privacy.correlation and Hooks.correlate (its noise filter); this "
+                            "stage has only one of them")
     if hooks.elementwise is not None and (stage.kind_in, stage.kind_out) != (
             Kind.PER_EXAMPLE, Kind.PER_EXAMPLE):
         raise PipelineError(f"{where}: elementwise is for a stage between the gradient and the "

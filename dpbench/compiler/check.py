@@ -21,7 +21,10 @@ synthetic problem (logistic regression on 8x8 random images), and must pass:
 5. ``elementwise``: a stage's declared scalar map (``Hooks.elementwise``), applied to a
    reordered gradient, gives the same reordering of what its ``apply`` gives, whatever the key;
 6. ``layer_clip``: a clip's book-keeping form (``Hooks.layer_clip``) gives the clipped sum
-   its per-example apply gives, a non-finite example included.
+   its per-example apply gives, a non-finite example included;
+7. ``correlation``: a release with correlated noise has the strategy it declares (lower
+   triangular, its bands, columns of norm <= 1) and adds its own filter of the step's draw
+   (``check_correlation.py``); it is compiled on the sampler it declares.
 
 Inputs are public synthetic data: checking reads nothing private and spends no privacy.
 tests/test_stage_contract.py runs the same checks on every registered stage, and on broken
@@ -39,13 +42,15 @@ import optax
 from dp_accounting import dp_event
 
 from dpbench import accounting, models, records, sampling, stages
+from dpbench.compiler import check_correlation
 from dpbench.compiler.facts import RunInputs
 from dpbench.compiler.pipeline import compile_pipeline
+from dpbench.compiler.rules import sampler_parts
 from dpbench.models import losses
 from dpbench.stages.base import Kind as K
 
 SHAPE, CLASSES, N, BATCH, MICRO = (8, 8, 1), 4, 32, 8, 8
-CHECKS = ("jit", "bound", "state", "mask", "elementwise")
+CHECKS = ("jit", "bound", "state", "mask", "layer_clip", "elementwise", "correlation")
 TEMPLATES = {  # (kind_in, kind_out) -> the pipeline around the stage X
     (K.EXAMPLE, K.PER_EXAMPLE): "X clip noise opt",
     (K.PER_EXAMPLE, K.PER_EXAMPLE): "grad X clip noise opt",
@@ -99,7 +104,9 @@ def compile_small(stage_list, with_model: bool = True):
     """The pipeline compiled on logistic regression (its own linearized twin, for SynFlow);
     with the model the compiler picks its per-example strategy, without it materializes."""
     model = models.make_model(CLASSES, name="logistic")
-    sampler = sampling.PoissonSampler(N, BATCH, seed=0, pad_multiple=MICRO)
+    parts = sampler_parts(stage_list)  # a correlated release's own sampler (p = 1 at 4 parts)
+    sampler = (sampling.PoissonSampler(N, BATCH, seed=0, pad_multiple=MICRO) if parts == 1 else
+               sampling.CyclicPoissonSampler(N, BATCH, seed=0, parts=parts, pad_multiple=MICRO))
     public = np.random.default_rng(1).uniform(size=(512,) + SHAPE).astype(np.float32)
     inputs = RunInputs(
         loss_fn=losses.cross_entropy_loss(model),
@@ -316,6 +323,21 @@ def check_elementwise_declaration(h: Harness) -> bool:
     return True
 
 
+def check_correlation_declaration(h: Harness) -> bool:
+    correlation = h.stage.privacy.correlation
+    if correlation is None:
+        return False
+    fns, own = h.compiled.plan.fns[h.index], h.state.stage_states[h.index]
+    found = check_correlation.problems(check_correlation.strategy_of(
+        fns.hooks.correlate, own, h.state.params, h.compiled.total_steps), correlation.bands)
+    if not check_correlation.adds_its_filter(fns, own, h.state.params, 1.0):
+        found.append("its apply does not add its own filter (Hooks.correlate) of the step's "
+                     "fresh draw ops.gaussian_noise(value, ctx.key, ctx.noise_stddev)")
+    if found:
+        raise StageCheckError(h.stage.name, "correlation", "; ".join(found))
+    return True
+
+
 def verify_stage(stage: stages.Stage) -> list:
     """Runs every check on ``stage``; returns the checks that applied (each raises
     StageCheckError on failure, naming the stage and the check)."""
@@ -331,7 +353,8 @@ def verify_stage(stage: stages.Stage) -> list:
     check_state(h)
     return ["jit", "bound", "state"] + [name for name, ran in (
         ("mask", check_mask_declaration(h)), ("layer_clip", check_layer_clip(h)),
-        ("elementwise", check_elementwise_declaration(h))) if ran]
+        ("elementwise", check_elementwise_declaration(h)),
+        ("correlation", check_correlation_declaration(h))) if ran]
 
 
 def stage_sources(stage_names) -> list:

@@ -82,6 +82,21 @@ def _check_one_off(stages: tuple) -> None:
                                 "finite positive l2_bound and an epsilon_fraction in (0, 1)")
 
 
+def _check_correlation(i: int, stage: Stage) -> None:
+    """Correlated noise is declared by a release, with a positive whole number of bands."""
+    correlation = stage.privacy.correlation
+    if correlation is None:
+        return
+    where = describe_stage(i, stage)
+    if not stage.is_release:
+        raise PipelineError(f"{where} declares correlated noise (Privacy.correlation) but is "
+                            "not a release (aggregate -> released); only a release adds noise")
+    bands = correlation.bands
+    if isinstance(bands, bool) or not isinstance(bands, int) or bands < 1:
+        raise PipelineError(f"{where} declares correlated noise over {bands!r} bands; bands "
+                            "must be a positive integer")
+
+
 def validate_pipeline(stages: Sequence[Stage]) -> ValidatedPipeline:
     """Checks that private values reach the optimizer only through a declared, accounted release.
 
@@ -90,7 +105,9 @@ def validate_pipeline(stages: Sequence[Stage]) -> ValidatedPipeline:
     the optimizer); exactly one clip (PER_EXAMPLE -> BOUNDED, declared l2_bound);
     BOUNDED/AGGREGATE transforms declare a Lipschitz factor; stages that read the aggregate
     without releasing it declare a DP cost; at most one one-off release; at least one Gaussian
-    release (a stage mapping AGGREGATE to RELEASED); the last stage produces UPDATES.
+    release (a stage mapping AGGREGATE to RELEASED), correlated noise declared only by one; the
+    last stage produces UPDATES. (Whether a correlated release's sampler is one its privacy is
+    proven for is checked where the sampler is known: ledger.check_sampler.)
     """
     stages = tuple(stages)
     if not stages:
@@ -122,6 +139,7 @@ def validate_pipeline(stages: Sequence[Stage]) -> ValidatedPipeline:
             sensitivity *= _check_bounded_transform(where, stage)
         if stage.is_release:
             releases.append(i)
+        _check_correlation(i, stage)
         current = stage.kind_out
     if clip_index is None:
         raise PipelineError("the pipeline has no clip stage (PER_EXAMPLE -> BOUNDED); add "
@@ -141,3 +159,11 @@ def validated(pipeline) -> ValidatedPipeline:
     frozen declarations, so one validation holds for every later phase), stages by
     :func:`validate_pipeline`."""
     return pipeline if isinstance(pipeline, ValidatedPipeline) else validate_pipeline(pipeline)
+
+
+def sampler_parts(stages: Sequence[Stage]) -> int:
+    """How many cyclic Poisson parts the pipeline's correlated release needs (its bands; 1, a
+    plain Poisson sampler, when no release correlates its noise): for the harnesses that build
+    their own sampler (dpbench check, the audit)."""
+    return max([s.privacy.correlation.bands for s in stages
+                if isinstance(s, Stage) and s.privacy.correlation is not None] or [1])

@@ -83,6 +83,30 @@ class OneOffRelease(NamedTuple):
     released: str = "the clipped per-example gradient sum"  # what it releases, in words
 
 
+class Correlation(NamedTuple):
+    """Declares a release whose noise has memory: the noise it adds at step t is
+    ``(C^-1 z)_t``, z the steps' fresh N(0, noise_stddev^2) draws and C a fixed lower-triangular
+    matrix with ``bands`` bands whose every column has L2 norm <= 1 (banded matrix
+    factorization). Its privacy then rests on the sampler: with ``bands`` > 1 it holds only for
+    a sampler named in ``samplers`` whose ``min_separation`` equals ``bands`` (cyclic Poisson
+    over b parts: Choquette-Choo et al. 2023 prove the mechanism then costs what DP-SGD's
+    independent noise costs at the part's rate over ceil(steps / b) participations), and the
+    compiler refuses any other sampler. One band is independent noise: any sampler.
+
+    bands: b, the noise buffer's length plus one.
+    samplers: the sampler names (``sampler.name``) the equivalence is proven for.
+    equivalence: that proof in words, for the privacy statement.
+
+    The stage's ``Hooks.correlate`` is the filter z -> C^-1 z, one step at a time; dpbench
+    check recovers C from it (unit impulses) and refuses a stage whose C has more bands or a
+    column of norm > 1.
+    """
+
+    bands: int
+    samplers: frozenset = frozenset({"cyclic_poisson"})
+    equivalence: str = ""
+
+
 class Privacy(NamedTuple):
     """A stage's privacy declaration: what the compiler validates and accounts, stated once.
 
@@ -100,6 +124,8 @@ class Privacy(NamedTuple):
       accounted release of private data before training (DP-SNIP).
     public_mask: where the compiler applies the stage's public ``state["mask"]``
       (:class:`Mask` members).
+    correlation: for a release whose noise has memory, its :class:`Correlation` (the bands
+      and the samplers its privacy is proven for).
 
     A stage is a release (Gaussian noise of stddev ``ctx.noise_stddev``) exactly when it maps
     AGGREGATE to RELEASED: that kind change is its declaration.
@@ -111,6 +137,7 @@ class Privacy(NamedTuple):
     cost: Optional[Callable] = None
     one_off_release: Optional[OneOffRelease] = None
     public_mask: frozenset = frozenset()
+    correlation: Optional[Correlation] = None
 
 
 def _no_state(params, key):  # noqa: ARG001
@@ -147,6 +174,11 @@ class Hooks(NamedTuple):
       (jnp arrays in and out, elementwise). The compiler may then apply it to a gradient whose
       leaves are laid out differently (book-keeping's outputs-first kernels), since such a map
       commutes with any reordering of the coordinates (compiler/check.py tests it equals ``apply``).
+    correlate: for a release that declares a :class:`Correlation`: ``correlate(fresh, state)
+      -> (noise, state)``, the linear filter from the step's fresh Gaussian draw (a tree shaped
+      like the released value) to the noise the release adds, its state the memory of earlier
+      steps' noise (never a private value). ``apply`` adds exactly ``correlate`` of
+      ``ops.gaussian_noise(value, ctx.key, ctx.noise_stddev)``.
     """
 
     begin_step: Optional[Callable] = None
@@ -155,6 +187,7 @@ class Hooks(NamedTuple):
     host_inputs: Optional[Callable] = None
     layer_clip: Optional[Callable] = None
     elementwise: Optional[Callable] = None
+    correlate: Optional[Callable] = None
 
 
 class StageFns(NamedTuple):

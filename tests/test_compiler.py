@@ -256,17 +256,23 @@ MULTI_DEVICE_SCRIPT = textwrap.dedent("""
     def gip_stages():  # GIP's index release draws host randomness every step (replicated)
         dpsgd = dpsgd_stages(learning_rate=0.5)
         return dpsgd[:2] + [stages.select.gip(group_size=8, k_end=0.5)] + dpsgd[2:]
+    def bandmf_stages(learning_rate):  # noise with memory: its buffer replicated, added once
+        dpsgd = dpsgd_stages(learning_rate=learning_rate)
+        return dpsgd[:2] + [stages.noise.banded(bands=2)] + dpsgd[3:]
     devices = jax.devices()
     out = {{}}
     for name, devs, book_keeping, chain in (
             ("one", devices[:1], False, dpsgd_stages), ("all", devices, False, dpsgd_stages),
             ("one_bk", devices[:1], True, dpsgd_stages), ("all_bk", devices, True, dpsgd_stages),
-            ("one_gip", devices[:1], False, gip_stages), ("all_gip", devices, False, gip_stages)):
+            ("one_gip", devices[:1], False, gip_stages), ("all_gip", devices, False, gip_stages),
+            ("one_bmf", devices[:1], True, bandmf_stages),
+            ("all_bmf", devices, True, bandmf_stages)):
         mesh = Mesh(np.asarray(devs), ("data",))
         gip = chain is gip_stages  # its sigma calibrated (its index budget needs the target)
         compiled, init_params, _ = compile_small(chain() if gip else chain(learning_rate=0.5),
             n=128, batch_size=32, micro=16, noise_multiplier=None if gip else 1.1, mesh=mesh,
-            model_name="mlp", book_keeping=book_keeping)
+            model_name="mlp", book_keeping=book_keeping,
+            parts=2 if chain is bandmf_stages else 1)
         out[name + "_strategy"] = compiled.plan.strategy
         images, labels = random_data(128, seed=4)
         state = compiled.init_state(init_params(jax.random.key(0)), jax.random.key(9))
@@ -313,7 +319,9 @@ def test_step_on_8_fake_devices_equals_the_1_device_step():
         assert devices == 8 and shard == shape, key
     # both per-example strategies (book-keeping is what real runs of these models use)
     assert (out["all_strategy"], out["all_bk_strategy"]) == ("materialized", "bookkeeping")
-    for one, many in (("one", "all"), ("one_bk", "all_bk"), ("one_gip", "all_gip")):
+    assert out["all_bmf_strategy"] == "bookkeeping"
+    for one, many in (("one", "all"), ("one_bk", "all_bk"), ("one_gip", "all_gip"),
+                      ("one_bmf", "all_bmf")):
         assert out[one] and len(out[one]) == len(out[many])
         for a, b in zip(out[one], out[many]):
             # identical noise (added once, from the same key), sums up to float reassociation

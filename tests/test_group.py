@@ -30,7 +30,9 @@ SMALL = ("dataset.public_size = 32", "gep.embed_and_clip.num_anchors = 32",
 # each method's own numbers, drawn per trial (the board's method.json spaces)
 METHOD_KNOBS = {
     "rs": lambda rng: [f"sparsify.random_mask.final_rate = {rng.uniform(0.3, 0.9):.5g}"],
-    "gep": lambda rng: [f"gep.embed_and_clip.residual_bound = {rng.uniform(0.05, 0.5):.5g}"]}
+    "gep": lambda rng: [f"gep.embed_and_clip.residual_bound = {rng.uniform(0.05, 0.5):.5g}"],
+    # the strategy's workload: each trial's own coefficients, lifted as numbers (BANDS is shape)
+    "bandmf": lambda rng: [f"noise.banded.momentum = {rng.uniform(0.5, 0.95):.5g}"]}
 
 
 def _knobs(rng, pipeline: str = "dpsgd") -> list:
@@ -109,7 +111,7 @@ VMAP_TOL = 1e-5
 
 # DP-SGD with map: the broken-twin test's honest group (bit-identical) covers it
 @pytest.mark.parametrize("pipeline,batching", [("dpsgd", "vmap"), ("rs", "map"),
-                                               ("gep", "map")])
+                                               ("gep", "map"), ("bandmf", "vmap")])
 def test_a_trial_stepped_in_a_group_is_the_trial_stepped_alone(pipeline, batching):
     runs = _runs(pipeline, _knobs(np.random.default_rng(), pipeline))
     tol = VMAP_TOL if batching == "vmap" else 0.0
@@ -182,6 +184,21 @@ def test_a_shape_difference_makes_two_groups_and_says_where():
     assert run_group.pack([a, b, c]) == [[0, 1], [2]]
     with pytest.raises(group_lib.NotGroupable, match="differs from trial 0's in more than"):
         group_lib.knob_paths([a, c])
+
+
+def test_bands_are_structure_and_the_rest_of_a_bandmf_trial_is_numbers():
+    """BandMF trials with 4 bands and different numbers (learning rate, clip, epsilon,
+    planned steps: so their strategies differ) pack as one group; 2 bands (another noise
+    buffer, another sampler) is another group."""
+    rng = np.random.default_rng()
+    trials = [bindings + [f"BANDS = {bands}"]
+              for bindings, bands in zip(_knobs(rng, "bandmf"), (4, 2, 4))]
+    runs = _runs("bandmf", trials)
+    traced = [group_lib.trace(r.compiled.lowered.step, r.initial_state(), r.host_batch(0))
+              for r in runs]
+    assert run_group.pack(traced) == [[0, 2], [1]]
+    paths = group_lib.knob_paths([traced[0], traced[2]])
+    assert len(paths) > 5  # lifted: every number that differs (strategies included)
 
 
 # what a grouped trial's record may hold otherwise than its solo record: timings, and the

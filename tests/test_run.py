@@ -105,14 +105,16 @@ def test_trials_share_a_group_by_shape_and_structure_never_by_their_numbers():
 _CONDITIONALS = ("stablehlo.case", "stablehlo.if")
 
 
+@pytest.mark.parametrize("pipeline", ["dpsgd", "bandmf"])  # bandmf: a release with memory
 @pytest.mark.parametrize("seed", [0, None], ids=["benchmark", "release"])
-def test_a_release_steps_time_does_not_depend_on_its_batch_and_a_benchmark_says_it_may(seed):
+def test_a_release_steps_time_does_not_depend_on_its_batch_and_a_benchmark_says_it_may(
+        seed, pipeline):
     """A release run (train.seed = None) compiles its whole step without a data-dependent
     conditional: how many micro-batches the realized Poisson batch filled (who was sampled)
     does not change what runs. A benchmark run keeps the faster step that skips empty
     micro-batches, and its statement lists the step's time as not covered."""
     from dpbench.run import Settings, record
-    files, bindings = golden_run("dpsgd")
+    files, bindings = golden_run(pipeline)
     config.parse_config(files, [*bindings, f"train.seed = {seed}"])
     name, stages = config.pipeline_stages()
     train_config, budget = config.TrainConfig(), accounting.Budget()

@@ -298,6 +298,12 @@ def test_a_pack_holds_trials_of_one_shape(tmp_path):
         pool_module.shape_of(dict(bindings=["train.batch_size=1024"]))
     assert pool_module.shape_of(dict(bindings=[])) != pool_module.shape_of(
         dict(bindings=shapes[5]))
+    # BandMF's bands are shape (a macro: its pipeline's default 4 read as %BANDS)
+    bandmf = pool_module.gin_defaults(["pipelines/bandmf/pipeline.gin"])
+    assert bandmf["BANDS"] == 4
+    assert pool_module.shape_of(dict(bindings=[]), bandmf) == pool_module.shape_of(
+        dict(bindings=["BANDS = 4"]), bandmf) != pool_module.shape_of(
+        dict(bindings=["BANDS = 2"]), bandmf)
 
 
 def test_a_failed_packs_log_comes_back(tmp_path):

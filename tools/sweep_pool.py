@@ -55,7 +55,9 @@ PACK_TRIAL_SHARE = 1 / 8  # a pack's process costs its slowest trial times 1 + s
 MEMORY_SHARE = 0.9     # of the device's memory, split evenly among the GPU workers' processes
 
 
-SHAPE_KEYS = ("train.batch_size", "train.micro_batch_size", "train.accelerator_micro_batch_size")
+# BANDS: BandMF's bands (its noise buffer's length and its sampler's parts)
+SHAPE_KEYS = ("train.batch_size", "train.micro_batch_size", "train.accelerator_micro_batch_size",
+              "BANDS")
 EMA_KEY = "train.ema_decay"
 
 
@@ -89,8 +91,8 @@ def gin_defaults(gin_files) -> dict:
     config.parse_config(list(gin_files), [])
     out = {}
     for key in (*SHAPE_KEYS, EMA_KEY):
-        try:
-            out[key] = gin.query_parameter(key)
+        try:  # a macro (no dot, BANDS) is queried as %BANDS
+            out[key] = gin.query_parameter(key if "." in key else f"%{key}")
         except ValueError:  # not bound: the function's own default, the same for every trial
             pass
     gin.clear_config()

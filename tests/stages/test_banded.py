@@ -209,3 +209,4 @@ def test_one_band_trains_dpsgd_bit_for_bit(tmp_path):
     for key in ("noise_multiplier", "epsilon", "steps", "final_params_sha256"):
         assert dpsgd[key] == bandmf[key], key
     assert dpsgd["final_params_sha256"] is not None
+    assert bandmf["per_example_strategy"] == "bookkeeping"  # the release does not change it

@@ -200,6 +200,17 @@ def test_the_v4_protocols_are_the_registered_design():
     assert max(counts.values()) >= 8 * min(counts.values()), counts
     spaces = [spec["space"] for spec in ladder["families"].values()]
     assert all(space == spaces[0] for space in spaces)
+    # BandMF is a v4 method of the main board; every (batch, bands) it can draw is a cyclic
+    # Poisson sampler over Fashion-MNIST's 55,000 private examples (a part's rate <= 1)
+    from dpbench import sampling
+    from dpbench.search.space import privacy_support
+    for family, spec in main["families"].items():
+        assert "bandmf" in spec["methods"], family
+        for point in privacy_support(main, family, "bandmf"):
+            bound = dict(b.split(" = ") for b in point)
+            sampling.CyclicPoissonSampler(55_000, int(bound["train.batch_size"]), seed=0,
+                                          parts=int(bound["BANDS"]))
+    assert all("bandmf" not in spec["methods"] for spec in ladder["families"].values())
 
 
 def test_a_row_against_a_weak_baseline_says_so_in_the_row(tmp_path):

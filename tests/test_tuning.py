@@ -199,10 +199,11 @@ def test_an_unknown_key_at_any_level_is_refused_naming_it(tmp_path, break_it, wh
         load_protocol(path)
 
 
-def test_every_trial_of_the_boards_protocol_is_a_valid_configuration():
+@pytest.mark.parametrize("board", ["protocol.json", "v4/protocol.json"])
+def test_every_trial_of_the_boards_protocol_is_a_valid_configuration(board):
     """Each method's trial 0 and a drawn trial parse with its pipeline and family files (gin
     checks every name), and the drawn values of privacy keys come from the support."""
-    p = load_protocol(config.REPO_ROOT / "leaderboard" / "protocol.json")
+    p = load_protocol(config.REPO_ROOT / "leaderboard" / board)
     assert p["trials"]["fixed"] >= 8  # board v3: K >= 8 for every method of every group
     assert p["trials"]["deployment"]["mean_random"] + 1 >= 8  # the secret-K deployment's
     for family, spec, epsilon in [(f, s, e) for e in p["epsilons"]

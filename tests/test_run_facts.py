@@ -25,7 +25,9 @@ CONTRACT = {"Stage": [f.name for f in dataclasses.fields(Stage)], "StageFns": St
 def test_the_stage_contract_has_at_most_25_public_names():
     names = {record: len(fields) for record, fields in CONTRACT.items()}
     assert sum(names.values()) <= 25, names
-    assert len(Privacy._fields) <= 6, Privacy._fields  # was 9 Stage fields; now one declaration
+    # was 9 Stage fields, then one declaration of 6; the 7th, correlation, declares a release
+    # whose noise has memory (BandMF): a mechanism no other field can state
+    assert len(Privacy._fields) <= 7, Privacy._fields
     # no run fact is a field anywhere in the contract: facts are read by name, never declared
     # as a field a new method would have to add
     every_field = {n for fields in CONTRACT.values() for n in fields} | set(Privacy._fields)

@@ -104,3 +104,9 @@ def test_the_statement_names_the_mechanism_the_sampler_the_bands_and_the_equival
                   "3-banded lower-triangular Toeplitz strategy", "Amplified",
                   "ceil(steps / b) steps", "rate q = 0.25"):
         assert words in text, words
+
+
+def test_one_band_states_no_correlation():
+    compiled, _, _ = compile_small(bandmf(1), n=128, batch_size=8)
+    (line,) = [accounting.mechanism_fields(m) for m in compiled.ledger()]
+    assert "correlated_noise" not in line and "sampler_parts" not in line

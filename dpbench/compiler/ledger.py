@@ -46,11 +46,12 @@ def check_sampler(plan: Plan, sampler) -> None:
 
 
 def _correlation_details(plan: Plan, releases: list) -> dict:
-    """The correlated noise of the release(s) that declare it, for the statement."""
+    """The correlated noise of the release(s) that declare it, for the statement (one band is
+    independent noise: nothing to state)."""
     out = {}
     for i in releases:
         correlation = plan.stages[i].privacy.correlation
-        if correlation is not None:
+        if correlation is not None and correlation.bands > 1:
             out = dict(stage=plan.stages[i].name, bands=correlation.bands,
                        equivalence=correlation.equivalence,
                        **{k: v for k, v in plan.fns[i].derived.items()

@@ -1,103 +1,124 @@
-"""dpbench/board/v4.py: board v4's labels as its registered analysis fixes them: the tuned and
-paired gains, Holm over the whole board, labels settled by the Monte Carlo rule, the papers'
-claims, and the dimension ladder's slope. Fresh random boards each run; every label asserted
-sits far from its threshold (or is the boundary case, which must not be decided wrongly)."""
+"""dpbench/board/v4.py: board v4's decisions as its registered analysis (leaderboard/v4/
+analysis.json, chosen by the design study leaderboard/v4/study/) fixes them: the paired gain's
+surface-adjusted t, 'better' / 'worse' and the claims above 0 in one Holm family, Welch for a
+method of its own space, the ladder's slope in its own family with the edge rule, and the
+descriptive tuned gain. Fresh random boards each run; every asserted label sits far from its
+threshold, or is decided by an exactly-zero difference."""
+
+import json
 
 import numpy as np
 import pytest
 
+from dpbench.board import board_model as bm
 from dpbench.board import v4
+from tests.conftest import REPO_ROOT
 
-ANALYSIS = dict(margin_points=1.0, family=dict(correction="holm", alpha=0.05),
-                mde=dict(power=0.8),
-                monte_carlo=dict(schedule=[2000, 8000, 32000], flip_probability=1e-6))
+ANALYSIS = json.loads((REPO_ROOT / "leaderboard" / "v4" / "analysis.json").read_text())
+SPACE = bm.Space((0.1, 1.6), (0.02, 0.2), {"train.batch_size": [1024, 2048],
+                                          "train.epochs": [30, 40],
+                                          "train.ema_decay": [0.0, 0.99, 0.995]})
 
 
-def arm(rng, quality, shift, parameters=None, noise=0.001):
-    """K trials of qualities ``quality`` (fractions) moved by ``shift``; the winner's 4
-    retrains around its quality."""
+def arm(rng, quality, shift, points, parameters=26_010, noise=0.002, retrains=3):
+    """K trials of mean accuracies ``quality`` (fractions) moved by ``shift``, seed noise
+    ``noise``; the winner's retrains."""
     q = np.asarray(quality) + shift
     validation = list(q + rng.normal(0, noise, len(q)))
-    test = list(q + rng.normal(0, noise, len(q)))
+    test = list(np.round(q + rng.normal(0, noise, len(q)), 4))
     winner = int(np.argmax(validation))
-    retrains = list(q[winner] + rng.normal(0, 0.0005, 4))
-    return v4.Arm(validation, test, winner, retrains, parameters)
+    seeds = list(np.round(q[winner] + rng.normal(0, noise, retrains), 4))
+    return v4.Arm(validation, test, winner, seeds, parameters, points)
 
 
-def board(rng, gains, model="tanh_cnn", parameters=None, claims=None, group=None, k=16):
-    """A group of K trials: DP-SGD and each method of ``gains`` (points; None: DP-SGD's own
-    runs under another name, a gain of exactly zero)."""
-    quality = rng.uniform(0.70, 0.85, k)
-    group = group or f"fashion_mnist__{model}__eps3.0__delta1e-05"
-    base = arm(rng, quality, 0.0, parameters)
-    return [v4.Cell(group, m, 3.0, model, base,
-                    base if g is None else arm(rng, quality, g / 100, parameters), True,
-                    (claims or {}).get(m)) for m, g in gains.items()]
+def group(rng, gains, model="tanh_cnn", epsilon=3.0, k=33, claims=None, own=(),
+          parameters=26_010, retrains=3, edge=False):
+    """One group: DP-SGD on a smooth surface over SPACE and each method of ``gains`` (points;
+    None: DP-SGD's own runs under another name, a difference of exactly zero)."""
+    points = SPACE.draw(k, rng)
+    if edge:
+        points[:, 0] = 0.5
+        points[int(np.argmax(points[:, 1])), 0] = 0.02  # DP-SGD's winner placed at the edge
+    u, v = points[:, 0], points[:, 1]
+    quality = 0.84 - 0.03 * (u - 0.5) ** 2 + 0.01 * v
+    if edge:
+        quality = quality + 0.2 * (points[:, 0] < 0.1)
+    name = f"fashion_mnist__{model}__eps{epsilon}__delta1e-05"
+    base = arm(rng, quality, 0.0, points, parameters, retrains=retrains)
+    return [v4.Cell(name, m, epsilon, model, base,
+                    base if g is None else arm(rng, quality, g / 100, points, parameters,
+                                               retrains=retrains),
+                    m not in own, (claims or {}).get(m), SPACE) for m, g in gains.items()]
 
 
 def test_clear_gains_get_their_labels_and_the_claims_theirs():
     rng = np.random.default_rng()
-    cells = board(rng, {"up": 5.0, "same": None, "down": -5.0},
-                  claims={"up": 2.0, "down": 1.0})
-    out = v4.analyse(cells, ANALYSIS, seed=int(rng.integers(1 << 30)))
-    group = cells[0].group
-    labels = {m: out["cells"][(group, m)]["tuned"]["label"] for m in ("up", "same", "down")}
-    assert labels == {"up": "better", "same": "equivalent", "down": "worse"}
-    assert {m: out["cells"][(group, m)]["paired"]["label"] for m in labels} == labels
-    up = out["cells"][(group, "up")]["tuned"]
-    assert up["low"] < up["point"] < up["high"] and 4 < up["point"] < 6
-    assert up["claim"]["label"] == "consistent"  # +5 is no evidence against a +2 claim
-    assert out["cells"][(group, "down")]["tuned"]["claim"]["label"] == "claim excluded"
-    assert out["comparisons"] == 3 * 2 * 3 + 2
-    same = out["cells"][(group, "same")]["tuned"]
-    assert 0 < same["mde"] < 1 and same["level"] <= 0.05
+    cells = group(rng, {"up": 3.0, "same": None, "down": -3.0},
+                  claims={"up": 1.0, "down": 0.5, "same": 0.0})
+    out = v4.analyse(cells, ANALYSIS)
+    rows = {m: out["cells"][(cells[0].group, m)] for m in ("up", "same", "down")}
+    assert {m: r["paired"]["label"] for m, r in rows.items()} == {
+        "up": "better", "same": "inconclusive", "down": "worse"}
+    up = rows["up"]["paired"]
+    assert up["low"] < up["point"] < up["high"] and 2.5 < up["point"] < 3.5
+    assert up["claim"]["label"] == "consistent"  # +3 is no evidence against a +1 claim
+    assert rows["down"]["paired"]["claim"]["label"] == "claim excluded"
+    assert "claim" not in rows["same"]["paired"]  # 'at least 0' is 'worse': not tested twice
+    assert out["families"]["main"] == 3 * 2 + 2
+    assert rows["same"]["paired"]["mde"] > 0 and rows["same"]["sign"]["wins"] == 0
+    assert rows["up"]["tuned"]["low"] < rows["up"]["tuned"]["point"] < rows["up"]["tuned"][
+        "high"]
 
 
-def test_a_decided_label_does_not_depend_on_the_stream_that_computed_it():
-    """Noisy retrains (a gain near no threshold in particular, whatever the draw): on three
-    streams every label that is decided is the same one (decide.py: a label differs from the
-    infinite-draw one with probability <= 1e-6 per stream, so this fails with probability
-    <= 3e-6); 'undecided' is the only other answer."""
+def test_a_method_of_its_own_space_is_judged_on_its_mean_by_welch():
     rng = np.random.default_rng()
-    cells = board(rng, {"edge": float(rng.uniform(-1.5, 1.5))})
-    noisy = cells[0].mine._replace(retrains=list(np.array(cells[0].mine.retrains)
-                                                 + rng.normal(0, 0.01, 4)))
-    cells = [cells[0]._replace(mine=noisy)]
-    labels = set()
-    for seed in rng.integers(1 << 30, size=3):
-        out = v4.analyse(cells, ANALYSIS, seed=int(seed))
-        labels.add(out["cells"][(cells[0].group, "edge")]["tuned"]["label"])
-    assert len({label for label in labels if not label.startswith("undecided")}) <= 1, labels
+    cells = group(rng, {"nasr": -2.0}, own=("nasr",))
+    row = v4.analyse(cells, ANALYSIS)["cells"][(cells[0].group, "nasr")]
+    base, mine = cells[0].base, cells[0].mine
+    assert row["unpaired"] and row["sign"] is None and row["paired"]["label"] == "worse"
+    want = 100 * (np.mean(mine.test[1:]) - np.mean(base.test[1:]))
+    assert row["paired"]["point"] == pytest.approx(want, rel=1e-9)
 
 
-def test_the_ladder_slope_says_grows_only_when_the_gain_grows_with_the_parameters():
+def test_the_surface_adjustment_narrows_the_interval_where_the_surface_explains_the_gain():
+    """A method whose gain moves with DP-SGD's smooth surface: the adjusted standard error is
+    below the plain paired t's; a flat surface leaves them alike."""
+    from dpbench.board.gains import TLaw
+    rng = np.random.default_rng()
+    cells = group(rng, {"m": 0.0})
+    base, mine = cells[0].base, cells[0].mine
+    a, b = 100 * np.array(base.test), 100 * np.array(mine.test)
+    d = (b - a)[1:] + 0.5 * (a[1:] - a[1:].mean())  # the gain grows with DP-SGD's accuracy
+    adjusted = TLaw.adjusted(d, a[1:], SPACE.features(base.coordinates[1:]), 0.04)
+    assert adjusted.se < TLaw.paired(d).se and adjusted.df == len(d) - 1
+
+
+def test_the_ladder_slope_grows_shrinks_or_is_not_judged_at_the_space_edge():
     rng = np.random.default_rng()
     cells = []
-    for rung, (params, model) in enumerate([(26_000, "tanh_cnn_x1"), (100_000, "tanh_cnn_x2"),
-                                             (400_000, "tanh_cnn_x4")]):
-        cells += board(rng, {"grow": 2.0 * rung, "flat": -0.5 + 0.5 * (rung % 2)},
-                       model=model, parameters=params)
-    out = v4.analyse(cells, ANALYSIS, seed=int(rng.integers(1 << 30)))
-    grow, flat = out["slopes"]["grow"], out["slopes"]["flat"]
-    assert grow["label"] == "grows" and 0.8 < grow["point"] < 1.2  # 2 points per 4x = 1/doubling
-    assert flat["label"] != "grows"
-    assert [p for p, _ in grow["rungs"]] == [26_000, 100_000, 400_000]
+    for model, params, scale in (("tanh_cnn", 26_010, 0), ("tanh_cnn_x2", 101_162, 1),
+                                 ("tanh_cnn_x4", 398_922, 2)):
+        k, retrains = (33, 3) if model == "tanh_cnn" else (17, 0)
+        cells += group(rng, {"grow": 2.0 * scale, "shrink": -2.0 * scale, "flat": None},
+                       model=model, k=k, parameters=params, retrains=retrains)
+    out = v4.analyse(cells, ANALYSIS)
+    slopes = out["slopes"]
+    assert slopes["grow"]["label"] == "grows" and 0.8 < slopes["grow"]["point"] < 1.2
+    assert slopes["shrink"]["label"] == "shrinks" and slopes["flat"]["label"] == "no trend shown"
+    assert [p for p, _ in slopes["grow"]["rungs"]] == [26_010, 101_162, 398_922]
+    assert out["families"]["ladder"] == 6
+    assert out["cells"][(cells[-1].group, "flat")]["tuned"] is None  # no retrains on a rung
+    edged = [c for c in cells if c.model != "tanh_cnn_x2"] + group(
+        rng, {"grow": 2.0, "shrink": -2.0, "flat": None}, model="tanh_cnn_x2", k=17,
+        parameters=101_162, retrains=0, edge=True)
+    label = v4.analyse(edged, ANALYSIS)["slopes"]["grow"]["label"]
+    assert label.startswith("not judged") and "tanh_cnn_x2" in label
 
 
-def test_an_unpaired_method_has_no_paired_gain():
+def test_the_same_records_give_the_same_decisions():
     rng = np.random.default_rng()
-    cells = board(rng, {"nasr": 1.0})
-    cells = [cells[0]._replace(paired=False)]
-    out = v4.analyse(cells, ANALYSIS, seed=1)
-    row = out["cells"][(cells[0].group, "nasr")]
-    assert row["unpaired"] and "paired" not in row and "tuned" in row
-
-
-def test_the_same_records_give_the_same_bytes():
-    rng = np.random.default_rng()
-    cells = board(rng, {"up": 1.5})
-    a, b = v4.analyse(cells, ANALYSIS, seed=7), v4.analyse(cells, ANALYSIS, seed=7)
-    assert a == b
+    cells = group(rng, {"up": 0.3, "down": -0.2})
+    assert v4.analyse(cells, ANALYSIS) == v4.analyse(cells, ANALYSIS)
 
 
 def _event():
@@ -110,123 +131,127 @@ def _event():
 EVENT = _event()
 
 
-def _write_group(records, group, k, rng, gain):
-    """search.json and the records of DP-SGD and 'up' (``gain`` points better) in ``group``."""
-    import json
-    plan = dict(group=group, family="fashion_mnist__tanh_cnn", num_trials=k, delta=1e-5,
-                seeds=[0, 1, 2, 3, 4],
+def _write_group(records, group_name, k, rng, gain, device_of=lambda method: "cpu"):
+    """search.json and the records of DP-SGD and 'up' (``gain`` points better)."""
+    plan = dict(group=group_name, family="fashion_mnist__tanh_cnn", num_trials=k, delta=1e-5,
+                seeds=[0, 1, 2, 3],
                 family_spec=dict(space={"clip.global_l2.l2_bound": {"log_uniform": [0.1, 1]}},
                                  methods={"dpsgd": {}, "up": {}}),
                 methods={m: dict(trials=[[f"clip.global_l2.l2_bound = {0.1 + t / 100}"]
                                          for t in range(k)]) for m in ("dpsgd", "up")})
-    (records / group).mkdir(parents=True)
-    (records / group / "search.json").write_text(json.dumps(plan))
-    quality = rng.uniform(0.70, 0.85, k)
+    (records / group_name).mkdir(parents=True)
+    (records / group_name / "search.json").write_text(json.dumps(plan))
+    quality = rng.uniform(0.80, 0.85, k)
     for method, shift in (("dpsgd", 0.0), ("up", gain / 100)):
-        a = arm(rng, quality, shift)
+        a = arm(rng, quality, shift, None)
         runs = {(t, 0): (a.validation[t], a.test[t]) for t in range(k)}
         runs.update({(a.winner, s): (a.validation[a.winner], r)
-                     for s, r in zip((1, 2, 3, 4), a.retrains)})
+                     for s, r in zip((1, 2, 3), a.retrains)})
         for (t, s), (val, test) in runs.items():
-            path = records / group / f"{method}-t{t}-seed{s}" / "run_record.json"
+            path = records / group_name / f"{method}-t{t}-seed{s}" / "run_record.json"
             path.parent.mkdir(parents=True)
-            path.write_text(json.dumps(dict(validation_accuracy=val, test_accuracy=test,
-                                            seed=s, model_parameters=26_000,
-                                            final_params_sha256=f"{method}{t}{s}",
-                                            dp_event=EVENT)))
+            path.write_text(json.dumps(dict(
+                validation_accuracy=val, test_accuracy=test, seed=s, model_parameters=26_010,
+                final_params_sha256=f"{method}{t}{s}", dp_event=EVENT,
+                device_kind=device_of(method), versions={"jax": "0.11.2"})))
 
 
 def test_dpbench_board_renders_a_registered_board_with_its_analysis_or_refuses(tmp_path,
                                                                               capsys):
     """End to end: an analysis committed, then the records; ``dpbench board`` writes the page
-    (answer first, the registration's commit) from that analysis. The analysis changed after
-    the records: refused, exit 2, naming the registration."""
+    (decisions first, then what they rest on, the registration's commit) from that analysis.
+    The analysis changed after the records: refused, exit 2, naming the registration."""
     import importlib
-    import json
-    from tests.conftest import REPO_ROOT
     from tests.test_registration import _commit, _git
     build = importlib.import_module("dpbench.board.build")  # the package exports build()
     rng = np.random.default_rng()
     _git(tmp_path, "init", "-q")
     board_dir = tmp_path / "leaderboard" / "v4"
     board_dir.mkdir(parents=True)
-    analysis = json.loads((REPO_ROOT / "leaderboard" / "v4" / "analysis.json").read_text())
-    analysis["monte_carlo"]["schedule"] = [2000, 8000]
-    (board_dir / "analysis.json").write_text(json.dumps(analysis, indent=1))
+    (board_dir / "analysis.json").write_text(json.dumps(ANALYSIS, indent=1))
     _commit(tmp_path, "register")
-    _write_group(board_dir / "records", "fashion_mnist__tanh_cnn__eps3.0__delta1e-05", 8, rng,
+    _write_group(board_dir / "records", "fashion_mnist__tanh_cnn__eps3.0__delta1e-05", 9, rng,
                  6.0)
     _commit(tmp_path, "records")
     assert build.main([f"--records={board_dir / 'records'}"]) == 0, capsys.readouterr().err
     page = (board_dir / "README.md").read_text()
-    answer = page.split("## The answer")[1].split("##")[0]
-    assert "**up**" in answer and "tuned gain better" in answer
-    # one tuning-inclusive epsilon per row: the 8 trials and 4 retrains (each a distinct run)
+    decisions = page.split("## Decisions")[1].split("##")[0]
+    assert "**up**" in decisions and "**better**" in decisions
     from dpbench.board import paired
     want = paired.published_epsilon([(str(i), EVENT) for i in range(12)], 1e-5)
-    assert f"ε {want:.2f} for all it publishes, tuning included" in answer
+    assert f"ε {want:.2f} for all it publishes" in decisions
+    rests = page.split("## What they rest on")[1].split("##")[0]
+    assert "Descriptive, outside both families" in rests and "JAX 0.11.2" in rests
     assert "Analysis registered in commit" in page and (board_dir / "plots" /
                                                         "v4-gains.svg").exists()
-    analysis["margin_points"] = 2.0  # chosen after the data
-    (board_dir / "analysis.json").write_text(json.dumps(analysis, indent=1))
+    changed = dict(ANALYSIS, family=dict(ANALYSIS["family"], alpha=0.1))  # after the data
+    (board_dir / "analysis.json").write_text(json.dumps(changed, indent=1))
     assert build.main([f"--records={board_dir / 'records'}"]) == 2
     assert "differs from its registration" in capsys.readouterr().err
 
 
+def test_a_group_whose_arms_trained_on_two_device_kinds_is_refused(tmp_path):
+    rng = np.random.default_rng()
+    name = "fashion_mnist__tanh_cnn__eps3.0__delta1e-05"
+    _write_group(tmp_path, name, 5, rng, 1.0,
+                 device_of=lambda m: "cpu" if m == "dpsgd" else "NVIDIA H100 80GB HBM3")
+    plans = {name: json.loads((tmp_path / name / "search.json").read_text())}
+    from dpbench.search import tuning
+    with pytest.raises(tuning.SearchRecordError, match="one device kind per group"):
+        v4.read_cells(tmp_path, plans, {}, "0.11.2")
+    with pytest.raises(tuning.SearchRecordError, match="JAX 0.12"):
+        v4.read_cells(tmp_path, plans, {}, "0.12")
+
+
 def test_the_v4_protocols_are_the_registered_design():
-    """leaderboard/v4's two protocols load, name the board's analysis, and hold the design it
-    registered: K 32 and 8 retrains on the four present groups; K 16 and 4 retrains on every
-    ladder rung, each rung a model v4.ladders reads as one, the widest >= 8x the parameters of
-    the narrowest, every rung searched in the same space."""
-    import jax
-    import jax.numpy as jnp
-    from dpbench.models import registry
+    """leaderboard/v4's two protocols load, name the board's analysis and hold its design: K
+    and R on the four present groups; the ladder's wider rungs at K, no retrains, the main
+    board's tanh-CNN space at eps 3 on each; BandMF a main-board method only; every (batch,
+    bands) of BandMF's support a valid cyclic Poisson sampler on Fashion-MNIST."""
+    from dpbench import sampling
     from dpbench.search.protocol import load_protocol
-    from tests.conftest import REPO_ROOT
+    from dpbench.search.space import privacy_support
     main = load_protocol(REPO_ROOT / "leaderboard" / "v4" / "protocol.json")
     ladder = load_protocol(REPO_ROOT / "leaderboard" / "v4" / "ladder.json")
+    design = ANALYSIS["design"]
     assert main["analysis"] == ladder["analysis"] == "analysis.json"
-    assert (main["trials"]["fixed"], len(main["seeds"]) - 1) == (32, 8)
+    assert (main["trials"]["fixed"], len(main["seeds"]) - 1) == (
+        design["trials_per_method"], design["retrains"])
     assert sorted(main["epsilons"]) == [1.0, 3.0] and len(main["families"]) == 2
-    assert (ladder["trials"]["fixed"], len(ladder["seeds"]) - 1, ladder["epsilons"]) == (
-        16, 4, [3.0])
-    counts = {}
-    for family, spec in ladder["families"].items():
-        model = family.split("__")[1]
-        assert v4.LADDER_RUNG.fullmatch(model), family
-        shape = jax.eval_shape(registry.make_model(10, model).init, jax.random.key(0),
-                               jnp.zeros((1, 28, 28, 1)))
-        counts[model] = sum(x.size for x in jax.tree.leaves(shape))
-    assert max(counts.values()) >= 8 * min(counts.values()), counts
-    spaces = [spec["space"] for spec in ladder["families"].values()]
-    assert all(space == spaces[0] for space in spaces)
-    # BandMF is a v4 method of the main board; every (batch, bands) it can draw is a cyclic
-    # Poisson sampler over Fashion-MNIST's 55,000 private examples (a part's rate <= 1)
-    from dpbench import sampling
-    from dpbench.search.space import privacy_support
-    for family, spec in main["families"].items():
-        assert "bandmf" in spec["methods"], family
+    spec = design["ladder"]
+    assert (ladder["trials"]["fixed"], ladder["seeds"], ladder["epsilons"]) == (
+        spec["trials"], [0], [spec["x1"]["epsilon"]])
+    assert sorted(f.split("__")[1] for f in ladder["families"]) == sorted(
+        r for r in spec["rungs"] if r != "tanh_cnn_x1")
+    x1 = main["families"]["fashion_mnist__tanh_cnn"]["space"]
+    for family in ladder["families"].values():
+        assert family["space"]["clip.global_l2.l2_bound"] == x1["clip.global_l2.l2_bound"]
+        assert family["space"]["train.batch_size"] == x1["train.batch_size"]
+        assert list(family["methods"]) == design["ladder"]["methods"]
+    ratios = [p / spec["rungs"]["tanh_cnn_x1"] for p in spec["rungs"].values()]
+    assert len(ratios) >= 3 and max(ratios) >= 15
+    for family, spec_main in main["families"].items():
+        assert "bandmf" in spec_main["methods"], family
         for point in privacy_support(main, family, "bandmf"):
             bound = dict(b.split(" = ") for b in point)
             sampling.CyclicPoissonSampler(55_000, int(bound["train.batch_size"]), seed=0,
                                           parts=int(bound["BANDS"]))
-    assert all("bandmf" not in spec["methods"] for spec in ladder["families"].values())
 
 
-def test_a_row_against_a_weak_baseline_says_so_in_the_row(tmp_path):
+def test_a_row_against_a_weak_baseline_says_so_in_the_row():
     """The baseline check on the v4 page: DP-SGD's row below the best DP-SGD configuration on
-    an earlier board (2+ retrain seeds, 10 points better) puts the caveat in the answer line
-    and the table row of every method of that group; none without a better one."""
+    an earlier board puts the caveat in the decision line and the table row; none without a
+    better one."""
     from dpbench.board import v4_page
-    rng = np.random.default_rng()
-    cells = board(rng, {"up": 5.0})
-    base = cells[0].base
     from dpbench.board.verdicts import baseline_check
+    rng = np.random.default_rng()
+    cells = group(rng, {"up": 5.0})
+    base = cells[0].base
     better = dict(scores=[float(np.mean(base.retrains)) + 0.10 + d for d in (0.001, -0.001)],
                   label="lr 2", where="archive/x/run_record.json", key=("v3", "k"))
     check = baseline_check(base.retrains, better)
     assert check["status"] == "weaker"
-    out = v4.analyse(cells, ANALYSIS, seed=1)
+    out = v4.analyse(cells, ANALYSIS)
     eps = {(cells[0].group, "up"): 3.0}
     checks = {cells[0].group: check}
     answer = "\n".join(v4_page.answer_lines(out, eps, checks))
@@ -235,3 +260,19 @@ def test_a_row_against_a_weak_baseline_says_so_in_the_row(tmp_path):
     assert "archive/x/run_record.json" in table.splitlines()[-1]
     fine = {cells[0].group: baseline_check(base.retrains, None)}
     assert "below its best" not in "\n".join(v4_page.answer_lines(out, eps, fine))
+
+
+def test_the_page_on_a_simulated_board_separates_decisions_from_descriptions(tmp_path):
+    """study_example renders the real page code on one simulated board: decisions first (each
+    label one the analysis defines), what they rest on, and the descriptive columns marked."""
+    from dpbench.board import study_example
+    page = study_example.render(tmp_path, seed=3).read_text()
+    assert page.index("## Decisions") < page.index("## What they rest on") < page.index(
+        "## Tables")
+    assert page.startswith("# Board v4") and "A simulated board, not a result" in page
+    decisions = page.split("## Decisions")[1].split("##")[0]
+    labels = {"better", "worse", "inconclusive", "grows", "shrinks", "no trend shown"}
+    for line in decisions.strip().splitlines():
+        label = line.split(": **")[1].split("**")[0]
+        assert label in labels or label.startswith("not judged"), line
+    assert "tuned gain (descriptive)" in page and "sign test (descriptive)" in page

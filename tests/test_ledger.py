@@ -8,7 +8,6 @@ import numpy as np
 import pytest
 import scipy.optimize
 import scipy.stats
-from dp_accounting import dp_event
 from dp_accounting.pld import pld_privacy_accountant
 
 from dpbench import accounting, compiler, stages

@@ -61,7 +61,7 @@ def test_an_analysis_is_registered_only_committed_unchanged_and_before_the_recor
     _commit(board, "a record")
     assert registration.registration(board)["commit"] == registered["commit"]
     analysis = json.loads((board / "analysis.json").read_text())
-    analysis["margin_points"] = 0.5  # changed after the data: refused, however small
+    analysis["family"]["alpha"] = 0.1  # changed after the data: refused, however small
     (board / "analysis.json").write_text(json.dumps(analysis))
     with pytest.raises(registration.RegistrationError, match="differs from its registration"):
         registration.registration(board)
@@ -84,13 +84,13 @@ def test_records_committed_before_the_analysis_are_refused(board):
 def test_an_analysis_missing_a_choice_is_refused(board):
     analysis = json.loads((board / "analysis.json").read_text())
     del analysis["variance"]
-    analysis["monte_carlo"]["schedule"] = [400000, 100000]
+    analysis["family"]["alpha"] = 5  # a level, not a percentage
     (board / "analysis.json").write_text(json.dumps(analysis))
     with pytest.raises(registration.RegistrationError, match="missing \\['variance'\\]"):
         registration.load_analysis(board / "analysis.json")
     analysis["variance"] = "welch"
     (board / "analysis.json").write_text(json.dumps(analysis))
-    with pytest.raises(registration.RegistrationError, match="increasing 'schedule'"):
+    with pytest.raises(registration.RegistrationError, match="family.alpha must be a number"):
         registration.load_analysis(board / "analysis.json")
 
 
@@ -108,3 +108,31 @@ def test_the_sweep_refuses_a_board_whose_analysis_is_not_registered(board, capsy
     assert not (board / "records").exists()
     assert sweep.main([*argv[:1], f"--records={board.parent / 'elsewhere'}", *argv[2:]]) == 2
     assert f"--records={board / 'records'}" in capsys.readouterr().err
+
+
+def test_the_registration_is_the_design_its_study_evaluated():
+    """leaderboard/v4/analysis.json takes its sizes from the design study: the families' sizes,
+    K, retrains and the ladder's rungs and K are those study.json evaluated for the chosen
+    design, the study's numbers at the commit the analysis names are the committed ones, and
+    the code's chosen design is that one."""
+    from dpbench.board import study_report
+    analysis = registration.load_analysis(REPO_ROOT / "leaderboard" / "v4" / "analysis.json")
+    study_file = REPO_ROOT / "leaderboard" / "v4" / "study" / "study.json"
+    study = json.loads(study_file.read_text())
+    chosen = study["designs"][study["roles"]["chosen"]]
+    design, ladder = analysis["design"], analysis["design"]["ladder"]
+    assert analysis["study"]["design"] == study["roles"]["chosen"] == study_report.CHOSEN.name
+    assert analysis["family"]["main"]["size"] == chosen["m"]
+    assert analysis["family"]["ladder"]["size"] == study["ladder"]["family"]
+    assert (design["trials_per_method"], design["retrains"]) == (
+        chosen["design"]["trials"], chosen["design"]["retrains"])
+    assert design["main_runs"] == chosen["runs"]
+    assert list(ladder["rungs"]) == study["ladder"]["spec"]["rungs"]
+    assert ladder["trials"] == study["ladder"]["spec"]["trials"]
+    assert design["methods"] == study_report.METHODS
+    committed = subprocess.run(
+        ["git", "-C", str(REPO_ROOT), "show",
+         f"{analysis['study']['commit']}:leaderboard/v4/study/study.json"],
+        capture_output=True, text=True)
+    assert committed.returncode == 0, committed.stderr
+    assert json.loads(committed.stdout) == study

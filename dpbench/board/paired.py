@@ -33,8 +33,7 @@ from dpbench.search import junk as search_junk
 from dpbench.search import methods
 from dpbench.search import space as search_space
 from dpbench.search import tuning
-from dpbench.board import uncertainty, v4
-from dpbench.search import registration
+from dpbench.board import uncertainty, v3_rule
 from dpbench.board.results import BASELINE
 from dpbench.search.tuning import GROUP_PATTERN
 from dpbench.board.verdicts import baseline_check
@@ -138,29 +137,29 @@ def coarse_epsilon(events, delta: float) -> float:
                                     discretization=3e-3)
 
 
-# Board v4's registered analysis: the rule every paired board's labels follow (board v3's own,
-# a Bartlett-gated pooled variance, Holm over better/worse only and a 3-error Monte Carlo guard,
-# was chosen after its data; its page now carries this one and says so)
-RULE = methods.REPO_ROOT / "leaderboard" / "v4" / registration.ANALYSIS
+# The rule board v4 first registered (commit 305f934), which every paired board's labels
+# follow (board v3's own, a Bartlett-gated pooled variance, Holm over better/worse only and a
+# 3-error Monte Carlo guard, was chosen after its data; its page carries this one and says so)
+RULE = methods.REPO_ROOT / "leaderboard" / "v3-rule.json"
 
 
 def apply_rule(analyses, rule: dict | None = None, seed: int = 0) -> None:
     """Labels every comparison of ``analyses`` (analyse_group's dicts: one group, or a whole
-    board) by the registered rule (board/v4.py on the tuned gain; ``rule``: an analysis, default
+    board) by the rule (board/v3_rule.py on the tuned gain; ``rule``: an analysis, default
     :data:`RULE`'s): better / worse / equivalent within the margin, and the paper's claim, one
     Holm family over all of them, each label settled by decide.py's Monte Carlo rule or
     'undecided at N draws'. Each row's interval becomes the one at the Holm level that decided
     its label, its MDE the gain that level detects with 80% power. ``seed``: another Monte
     Carlo stream (a label must not depend on it)."""
-    rule = rule or registration.load_analysis(RULE)
+    rule = rule or json.loads(RULE.read_text())
     cells = []
     for a in analyses:
         base = a["methods"][BASELINE]["arm"]
         model = GROUP_PATTERN.match(a["group"])["model"]
-        cells += [v4.Cell(a["group"], m, a["epsilon"], model, base, r["arm"], r["shares"],
-                          v4.claim_low(r["claim_range"]))
+        cells += [v3_rule.Cell(a["group"], m, a["epsilon"], model, base, r["arm"], r["shares"],
+                          v3_rule.claim_low(r["claim_range"]))
                   for m, r in sorted(a["methods"].items()) if m != BASELINE]
-    out = v4.analyse(cells, rule, seed, estimands=("tuned",))
+    out = v3_rule.analyse(cells, rule, seed, estimands=("tuned",))
     for a in analyses:
         for method, r in a["methods"].items():
             if (a["group"], method) not in out["cells"]:
@@ -205,8 +204,8 @@ def analyse_group(group_dir, claims: dict, baseline_best=None, draws: int = DRAW
                    claim=claims.get(method, {}),
                    claim_range=methods.claim_range(claims.get(method, {}).get("claim_gain"),
                                                    epsilon),
-                   arm=v4.Arm(mine["validation"], mine["test"], s["winner"], mine["retrains"],
-                              None), shares=v4.shares_keys(plan, method))
+                   arm=v3_rule.Arm(mine["validation"], mine["test"], s["winner"], mine["retrains"],
+                              None), shares=v3_rule.shares_keys(plan, method))
         if method != BASELINE:
             stream = ("boot",) if bootstrap_seed == 0 else ("boot", bootstrap_seed)
             rng = np.random.default_rng(search_space.stable_seed(group_dir.name, method,

@@ -145,8 +145,11 @@ def render(result: dict, args) -> str:
               "designs are compared under the same model, and the null scenario rests on no "
               "fitted gain.",
               "- The ladder's wider rungs are simulated with the x1 model (no record of a "
-              "wider model exists); the registration's edge rule guards the drift of DP-SGD's "
-              "optimum out of the space.",
+              "wider model exists); the registration's edge rule, which guards against a drift "
+              "of DP-SGD's optimum out of the space, is not simulated: the fitted tanh-CNN "
+              "surface at eps 3 peaks near the top of its lr x C range (an extrapolation from "
+              "eight trials; v3's own DP-SGD winners sat well inside it), so on "
+              "simulated boards the rule would fire where the real board's winners do not.",
               "- Device: every arm of a group on one device kind (the registration says so): "
               "the rerun measured a same-seed spread of 0.19 points (tanh CNN) and 0.09 "
               "(ScatterNet) between an H100 and a CPU, which mixed arms would carry.",

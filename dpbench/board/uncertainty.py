@@ -12,8 +12,8 @@ Two sources, combined:
 
 The interval: percentiles of gain + (selection draw - realized selection gain) + s.e. x T_df
 over paired Monte Carlo draws (Welch: each arm's own seed variance, no data-dependent gate).
-Labels on a paired board come from the registered rule (board/v4.py, paired.apply_rule);
-``label`` here is board v2's verdict word ('better' / 'worse' where the Holm-adjusted p is below
+Labels on a paired board come from the rule board v4 first registered (board/v3_rule.py,
+paired.apply_rule); ``label`` here is board v2's verdict word ('better' / 'worse' where the Holm-adjusted p is below
 5%, 'equivalent within +-1' where the 90% interval lies inside +-1 point, else
 'inconclusive'), kept for v2's page.
 """

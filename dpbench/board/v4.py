@@ -1,33 +1,29 @@
 """Board v4's verdicts, computed exactly as its registered analysis (``<board>/analysis.json``,
-proved first by search/registration.py) says, and nothing else.
+proved first by search/registration.py, chosen by the design study leaderboard/v4/study/) says.
 
-Per (group, method) other than DP-SGD, two estimands of the method's gain over DP-SGD, in test
-accuracy points:
+Decisions (two Holm families at the registered alpha; no Monte Carlo, so no label can depend
+on a random stream):
 
-- tuned: the tuned winner's retrain mean minus DP-SGD's (each winner chosen on validation among
-  its K seed-0 trials, the board's rule). Its bootstrap draws: the search's selection (the K
-  trials resampled, trial 0 kept, both winners re-chosen: board/uncertainty.py) plus each arm's
-  own seed variance (Welch, never pooled).
-- paired: the mean over the shared trials 1..K-1 of the method's seed-0 test accuracy minus
-  DP-SGD's on the same point; its draws resample those trials. A method whose space shares no
-  key with DP-SGD's has no paired estimand (the cell says unpaired).
+- main: per (group, method) other than DP-SGD, the paired gain: the mean over the family's
+  shared trials 1..K-1 of the method's seed-0 test accuracy minus DP-SGD's at the same
+  configuration (points), by the surface-adjusted paired t (board/gains.py), or, for a method
+  whose space is its own (Nasr et al.), Welch's t on the two arms' random trials. Hypotheses
+  'better' (gain <= 0 rejected) and 'worse' (gain >= 0 rejected), and for a paper claiming a
+  gain above 0 'claim excluded' (gain >= the claim rejected); a claim of 'at least 0' is
+  'worse' itself and is not tested twice.
+- ladder: per method, the least-squares slope of that paired gain against log2(parameters)
+  over the rungs (the main board's tanh CNN at the ladder's epsilon is x1), 'grows' (slope <=
+  0 rejected) and 'shrinks' (slope >= 0 rejected); a rung where DP-SGD's winner sits in the
+  outer edge of the lr x C range is a drift out of the space: that method's slope is not judged.
+  A wider rung's own gains enter only the slope (they label nothing).
 
-Their hypotheses, one Holm family over the whole board: 'better' (gain <= 0 rejected), 'worse'
-(gain >= 0 rejected), 'equivalent' (TOST: gain <= -margin and gain >= +margin both rejected,
-its p the larger), the paper's claim (gain >= the smallest claimed gain rejected: 'claim
-excluded') and, per method on the dimension ladder, the slope of the tuned gain against
-log2(parameters) ('slope <= 0' rejected: 'grows'). Each p is a bootstrap proportion; the labels
-come from board/decide.py, which bounds each proportion's Monte Carlo error and draws more until
-every label is settled, or says 'undecided at N draws'.
-
-Streams: each cell and estimand draws from numpy's default_rng seeded by (the bootstrap seed,
-group, method, estimand, draws), so the same records give the same bytes; the labels do not
-depend on the stream (decide.py's guarantee, with the registered flip probability).
+Descriptive (outside both families, and said so): the tuned gain (the winners' retrain means)
+with its ideal bootstrap interval (board/ideal.py) at the registered level, and the shared
+trials' sign test (unadjusted).
 """
 
 from __future__ import annotations
 
-import math
 import re
 from pathlib import Path
 from typing import NamedTuple, Optional
@@ -35,25 +31,27 @@ from typing import NamedTuple, Optional
 import numpy as np
 import scipy.stats
 
-from dpbench.board import decide as decide_lib
-from dpbench.board import uncertainty
+from dpbench.board import board_model, decide, ideal, uncertainty
+from dpbench.board.gains import TLaw, slope_law
 from dpbench.board.results import BASELINE
 from dpbench.search import methods as methods_lib
 from dpbench.search import space as search_space
 from dpbench.search import tuning
 
-CHUNK = 100_000  # draws made at a time (memory: K x CHUNK trial indices)
-LADDER_RUNG = re.compile(r"tanh_cnn_x\d+")  # the ladder's rungs (ladder.json): tanh_cnn_x1, _x2, ...
+RUNG = re.compile(r"(?P<base>\w+)_x(?P<width>\d+)")  # a ladder rung's model: tanh_cnn_x2, ...
 
 
 class Arm(NamedTuple):
-    """One method's runs in one group: the K seed-0 trials (None: diverged) and its winner's
-    retrains."""
+    """One method's runs in one group: the K seed-0 trials (None: diverged), its winner's
+    retrains, its parameter count and each trial's coordinates in the family's space (None
+    where the space has no lr x C and C to place them by)."""
     validation: list
     test: list
     winner: int
     retrains: list
     parameters: Optional[int]
+    coordinates: Optional[np.ndarray] = None
+    devices: frozenset = frozenset()  # (device kind, JAX version) of its records
 
 
 class Cell(NamedTuple):
@@ -63,27 +61,50 @@ class Cell(NamedTuple):
     model: str
     base: Arm
     mine: Arm
-    paired: bool            # the method's space shares keys with DP-SGD's
+    paired: bool            # the method's trials share DP-SGD's points
     claim_low: Optional[float]   # the smallest claimed gain, points (None: no claim here)
+    space: object = None    # board_model.Space of the family, or None
 
 
-def read_arm(group_dir: Path, plan: dict, method: str) -> Arm:
+def family_space(plan: dict):
+    """The family's shared space as board_model places a configuration, or None."""
+    try:
+        return board_model.Space.of(plan["family_spec"])
+    except (KeyError, TypeError):
+        return None
+
+
+def read_arm(group_dir: Path, plan: dict, method: str, space=None) -> Arm:
     """The arm's published runs (every search trial and every retrain must be published)."""
     seed0 = plan["seeds"][0]
     trials = [tuning.trial_outcome(group_dir, method, t, seed0)[0]
               for t in range(plan["num_trials"])]
     validation = [None if r is None else r["validation_accuracy"] for r in trials]
     winner = tuning.choose_trial(dict(enumerate(validation)))
-    retrains = []
+    retrains, run_records = [], []
     for seed in plan["seeds"][1:]:
         record, where = tuning.trial_outcome(group_dir, method, winner, seed)
         if record is None:
             raise tuning.SearchRecordError(f"{where}: a retrain of {method}'s winner diverged; "
                                            "its seed part is undefined")
         retrains.append(record["test_accuracy"])
+        run_records.append(record)
+    coordinates = None
+    if space is not None:
+        coordinates = np.array([np.full(2 + len(space.levels), np.nan) if r is None else
+                                space.coordinates(*board_model._record_config(r))  # noqa: SLF001
+                                for r in trials])
     finished = [r for r in trials if r is not None]
     return Arm(validation, [None if r is None else r["test_accuracy"] for r in trials], winner,
-               retrains, finished[0].get("model_parameters") if finished else None)
+               retrains, finished[0].get("model_parameters") if finished else None,
+               coordinates, frozenset(device_of(r) for r in finished + run_records))
+
+
+def device_of(record: dict) -> tuple:
+    """(device kind, JAX version) a run trained on: its record's device_kind, else the
+    platform of its first device ('cuda', 'cpu')."""
+    kind = record.get("device_kind") or str(record.get("devices", ["?"])[0]).split(":")[0]
+    return kind, record.get("versions", {}).get("jax", "?")
 
 
 def shares_keys(plan: dict, method: str) -> bool:
@@ -97,236 +118,197 @@ def shares_keys(plan: dict, method: str) -> bool:
     return bool(keys[0] & keys[1])
 
 
-def read_cells(records_dir, plans: dict, claims: dict) -> list:
+def read_cells(records_dir, plans: dict, claims: dict, jax_version: Optional[str] = None) -> list:
     """Every (group, method) cell of the board: ``plans`` group -> search.json; ``claims``
-    method -> its method.json claim (methods.claims)."""
+    method -> its method.json claim (methods.claims). A group whose runs trained on more than
+    one device kind, or under another JAX version than ``jax_version`` (the registration's),
+    is refused: one arm's device would be another's bias."""
     cells = []
     for group, plan in sorted(plans.items()):
         group_dir = Path(records_dir) / group
         match = tuning.GROUP_PATTERN.match(group)
-        epsilon = float(match["eps"])
-        base = read_arm(group_dir, plan, BASELINE)
-        for method in sorted(set(plan["methods"]) - {BASELINE}):
+        epsilon, space = float(match["eps"]), family_space(plan)
+        base = read_arm(group_dir, plan, BASELINE, space)
+        arms = {method: read_arm(group_dir, plan, method, space)
+                for method in sorted(set(plan["methods"]) - {BASELINE})}
+        check_devices(group, [base, *arms.values()], jax_version)
+        for method, mine in arms.items():
             claim = methods_lib.claim_range(claims.get(method, {}).get("claim_gain"), epsilon)
-            cells.append(Cell(group, method, epsilon, match["model"], base,
-                              read_arm(group_dir, plan, method), shares_keys(plan, method),
-                              claim_low(claim)))
+            cells.append(Cell(group, method, epsilon, match["model"], base, mine,
+                              shares_keys(plan, method),
+                              None if claim is None or claim[0] is None else float(claim[0]),
+                              space))
     return cells
 
 
-def claim_low(claim) -> Optional[float]:
-    """The smallest gain a claimed range (methods.claim_range: points, None for an open end)
-    claims; None when it claims no lower end."""
-    return None if claim is None or claim[0] is None else float(claim[0])
+def check_devices(group: str, arms: list, jax_version: Optional[str]) -> None:
+    found = set().union(*(a.devices for a in arms))
+    kinds = {kind for kind, _ in found}
+    versions = {version for _, version in found}
+    if len(kinds) > 1 or (jax_version is not None and versions != {jax_version}):
+        raise tuning.SearchRecordError(
+            f"{group}: its runs trained on {sorted(found)}; board v4's analysis registers one "
+            f"device kind per group and JAX {jax_version}: rerun the group's odd runs there")
 
 
-def _rng(seed: int, *parts) -> np.random.Generator:
-    return np.random.default_rng(search_space.stable_seed(seed, *parts))
-
-
-def _scores(values) -> np.ndarray:
+def _points(values) -> np.ndarray:
     return np.array([np.nan if v is None else 100.0 * v for v in values])
+
+
+def seed_variance(cells: list) -> dict:
+    """group -> its seed variance of test accuracy (points^2), pooled over every arm's
+    retrains (DP-SGD's once)."""
+    arms: dict = {}
+    for c in cells:
+        arms.setdefault(c.group, {})[BASELINE] = c.base
+        arms[c.group][c.method] = c.mine
+    out = {}
+    for group, by_method in arms.items():
+        dev = [_points(a.retrains) - np.mean(_points(a.retrains)) for a in by_method.values()
+               if len(a.retrains) > 1]
+        dof = sum(len(x) - 1 for x in dev)
+        out[group] = float(sum(np.sum(x ** 2) for x in dev) / dof) if dof else 0.0
+    return out
+
+
+def paired_law(cell: Cell, seed_var: float) -> TLaw:
+    """The cell's primary law (see the module docstring)."""
+    a, b = _points(cell.base.test)[1:], _points(cell.mine.test)[1:]
+    if not cell.paired:
+        return TLaw.welch(a[np.isfinite(a)], b[np.isfinite(b)])
+    ok = np.isfinite(a) & np.isfinite(b)
+    if cell.space is None or cell.base.coordinates is None:
+        return TLaw.paired((b - a)[ok])
+    features = cell.space.features(cell.base.coordinates[1:][ok])
+    return TLaw.adjusted((b - a)[ok], a[ok], features, seed_var)
+
+
+def tuned_law(cell: Cell) -> ideal.TunedLaw:
+    return ideal.TunedLaw(cell.base.validation, cell.base.test, cell.base.winner,
+                          cell.base.retrains, cell.mine.validation, cell.mine.test,
+                          cell.mine.winner, cell.mine.retrains)
 
 
 def tuned_point(cell: Cell) -> float:
     return 100.0 * (float(np.mean(cell.mine.retrains)) - float(np.mean(cell.base.retrains)))
 
 
-def tuned_draws(cell: Cell, draws: int, seed: int) -> np.ndarray:
-    """``draws`` bootstrap draws of the tuned gain (points): the realized gain, plus the
-    re-selected winners' seed-0 gain minus the realized one, plus Welch's seed part (Student t
-    at its Welch-Satterthwaite df). A resample where a method has no finished trial gives nan
-    (counted against every hypothesis)."""
-    rng = _rng(seed, cell.group, cell.method, "tuned", draws)
-    gain, se, df = uncertainty.welch(cell.base.retrains, cell.mine.retrains)
-    realized = 100.0 * (cell.mine.test[cell.mine.winner] - cell.base.test[cell.base.winner])
-    out = np.empty(draws)
-    for start in range(0, draws, CHUNK):
-        n = min(CHUNK, draws - start)
-        idx = uncertainty.resampled_trials(len(cell.mine.validation), n, rng)
-        wa = uncertainty.resample_winners(cell.base.validation, idx)
-        wb = uncertainty.resample_winners(cell.mine.validation, idx)
-        ta, tb = _scores(cell.base.test), _scores(cell.mine.test)
-        selection = np.where((wa >= 0) & (wb >= 0), tb[wb] - ta[wa], np.nan)
-        t = rng.standard_t(df, n) if math.isfinite(df) else rng.standard_normal(n)
-        out[start:start + n] = 100.0 * gain + (selection - realized) + 100.0 * se * t
-    return out
-
-
-def paired_differences(cell: Cell) -> np.ndarray:
-    """The method's seed-0 test accuracy minus DP-SGD's on each shared trial 1..K-1 where both
-    finished (points)."""
-    a, b = _scores(cell.base.test), _scores(cell.mine.test)
-    d = (b - a)[1:]
-    return d[np.isfinite(d)]
-
-
-def paired_draws(cell: Cell, draws: int, seed: int) -> np.ndarray:
-    d = paired_differences(cell)
-    rng = _rng(seed, cell.group, cell.method, "paired", draws)
-    out = np.empty(draws)
-    for start in range(0, draws, CHUNK):
-        n = min(CHUNK, draws - start)
-        out[start:start + n] = d[rng.integers(0, len(d), size=(n, len(d)))].mean(axis=1)
-    return out
-
-
-def _slope(x: np.ndarray, y: np.ndarray) -> np.ndarray:
-    """Least-squares slopes of the columns of ``y`` (rungs x draws) against ``x``."""
-    xc = x - x.mean()
-    return (xc[:, None] * (y - y.mean(axis=0))).sum(axis=0) / (xc ** 2).sum()
-
-
-def ladders(cells: list) -> dict:
-    """method -> its cells on the dimension ladder (the ladder model's rungs, each with a
-    parameter count), ordered by parameters; only methods with at least two rungs."""
+def ladders(cells: list, ladder: dict) -> dict:
+    """method -> its ladder cells ordered by parameters: the rungs' models (``base``_xN) and
+    the main board's ``base`` model as x1, at the ladder's epsilon; only methods with at least
+    two rungs of distinct parameter counts."""
+    base, epsilon = ladder["x1"]["model"], float(ladder["x1"]["epsilon"])
     by_method: dict = {}
-    for cell in cells:
-        if LADDER_RUNG.fullmatch(cell.model) and cell.mine.parameters:
-            by_method.setdefault(cell.method, []).append(cell)
-    return {m: sorted(c, key=lambda c: c.mine.parameters) for m, c in by_method.items()
-            if len({c.mine.parameters for c in c}) >= 2}
+    for c in cells:
+        rung = RUNG.fullmatch(c.model)
+        on_ladder = c.model == base or (rung is not None and rung["base"] == base)
+        if on_ladder and c.epsilon == epsilon and c.mine.parameters:
+            by_method.setdefault(c.method, []).append(c)
+    return {m: sorted(r, key=lambda c: c.mine.parameters) for m, r in by_method.items()
+            if len({c.mine.parameters for c in r}) >= 2}
 
 
-def slope_point(rungs: list) -> float:
-    x = np.log2([c.mine.parameters for c in rungs])
-    return float(_slope(x, np.array([[tuned_point(c)] for c in rungs]))[0])
+def at_edge(cell: Cell, edge: float) -> bool:
+    """DP-SGD's winner at this rung sits in the outer ``edge`` of the lr x C log range."""
+    if cell.base.coordinates is None:
+        return False
+    u = cell.base.coordinates[cell.base.winner][0]
+    return bool(u < edge or u > 1 - edge)
 
 
-def slope_draws(rungs: list, draws: int, seed: int) -> np.ndarray:
-    x = np.log2([c.mine.parameters for c in rungs])
-    return _slope(x, np.stack([tuned_draws(c, draws, seed) for c in rungs]))
+def winner_accuracy(arm: Arm) -> float:
+    """The winner's test accuracy (points): its retrains' mean, or seed 0's without them."""
+    runs = arm.retrains or [arm.test[arm.winner]]
+    return 100.0 * float(np.mean(runs))
 
 
-class Hypothesis(NamedTuple):
-    key: tuple     # (group, method, estimand, kind) or ('ladder', method, 'slope', 'grows')
-    draws: object  # draws(n) -> np.ndarray of n bootstrap draws of its estimand
-    null_side: object  # draws -> the number of draws on the null's side (its p's hits)
+def _holm(keys: list, p: list, alpha: float) -> dict:
+    adjusted = decide.holm_adjusted(p) if p else np.array([])
+    return {k: (float(pa), bool(pa <= alpha)) for k, pa in zip(keys, adjusted)}
 
 
-def _tost(margin: float):
-    return lambda d: np.maximum(np.sum(~(d > -margin)), np.sum(~(d < margin)))
+def _primary_row(law: TLaw, level: float, power: float, decided: dict, key: tuple) -> dict:
+    """The primary estimand's row: point, simultaneous interval and MDE at ``level`` (the
+    family's first Holm level on each side), its label and adjusted p-values."""
+    q = scipy.stats.t.ppf(1 - level, law.df) if law.se > 0 else 0.0
+    better, worse = decided[key + ("better",)], decided[key + ("worse",)]
+    label = "better" if better[1] else "worse" if worse[1] else "inconclusive"
+    return dict(point=law.estimate, se=law.se, df=law.df, low=law.estimate - q * law.se,
+                high=law.estimate + q * law.se, level=level, label=label,
+                p_better=better[0], p_worse=worse[0],
+                mde=(q + scipy.stats.norm.ppf(power)) * law.se)
 
 
-def hypotheses(cells: list, analysis: dict, seed: int,
-               estimands: tuple = ("tuned", "paired")) -> list:
-    """The board's family, in a fixed order (each nan draw counts as a hit: conservative);
-    ``estimands``: which gains it labels (board v3's page labels the tuned gain alone)."""
-    margin = float(analysis["margin_points"])
-    out = []
-    for cell in cells:
-        estimands_here = [("tuned", lambda n, c=cell: tuned_draws(c, n, seed))]
-        if "paired" in estimands and cell.paired and len(paired_differences(cell)) >= 2:
-            estimands_here.append(("paired", lambda n, c=cell: paired_draws(c, n, seed)))
-        for name, draws in estimands_here:
-            key = (cell.group, cell.method, name)
-            out += [Hypothesis(key + ("better",), draws, lambda d: np.sum(~(d > 0))),
-                    Hypothesis(key + ("worse",), draws, lambda d: np.sum(~(d < 0))),
-                    Hypothesis(key + ("equivalent",), draws, _tost(margin))]
-            if name == "tuned" and cell.claim_low is not None:
-                out.append(Hypothesis(key + ("claim",), draws,
-                                      lambda d, c=cell.claim_low: np.sum(~(d < c))))
-    for method, rungs in sorted(ladders(cells).items()):
-        out.append(Hypothesis(("ladder", method, "slope", "grows"),
-                              lambda n, r=rungs: slope_draws(r, n, seed),
-                              lambda d: np.sum(~(d > 0))))
-    return out
-
-
-def decide_family(family: list, analysis: dict):
-    """decide.py over the family. The TOST's p is the larger of two proportions, each bounded
-    on its own: the flip probability is halved so that the union bound covers every interval."""
-    mc, alpha = analysis["monte_carlo"], float(analysis["family"]["alpha"])
-    cache: dict = {}
-
-    def hits_for(n: int, indices) -> np.ndarray:
-        hits = []
-        for i in indices:
-            h = family[i]
-            if (id(h.draws), n) not in cache:
-                cache[(id(h.draws), n)] = h.draws(n)
-            hits.append(int(h.null_side(cache[(id(h.draws), n)])))
-        return np.array(hits)
-
-    return decide_lib.decide(lambda n: hits_for(n, range(len(family))), alpha,
-                             mc["schedule"], mc["flip_probability"] / 2, hits_for=hits_for)
-
-
-def holm_levels(decision, alpha: float) -> np.ndarray:
-    """Each hypothesis's Holm level alpha / (m - rank + 1), ranked by its upper bound."""
-    order = np.argsort(decision.adjusted_high, kind="stable")
-    levels = np.empty(len(order))
-    levels[order] = alpha / (len(order) - np.arange(len(order)))
-    return levels
-
-
-def summary(draws: np.ndarray, level: float, power: float) -> dict:
-    """The interval at the two-sided level matching a one-sided test at ``level``, and the
-    minimum detectable gain at ``power`` for that test."""
-    finite = draws[np.isfinite(draws)]
-    lo, hi = np.percentile(finite, [100 * level, 100 * (1 - level)])
-    sd = float(np.std(finite, ddof=1))
-    z = scipy.stats.norm.ppf
-    return dict(low=float(lo), high=float(hi), sd=sd, level=float(level),
-                mde=float((z(1 - level) + z(power)) * sd))
-
-
-def _label(kinds: dict, draws: int) -> str:
-    """A gain's label from its hypotheses' decisions ({kind: 'reject'|'retain'|'undecided'})."""
-    for kind in ("better", "worse", "equivalent"):
-        if kinds.get(kind) == "reject":
-            return kind
-    if "undecided" in (kinds.get(k) for k in ("better", "worse", "equivalent")):
-        return f"undecided at {draws:,} draws"
-    return "inconclusive"
-
-
-def analyse(cells: list, analysis: dict, seed: int = 0,
-            estimands: tuple = ("tuned", "paired")) -> dict:
-    """The board's labels: {"cells": {(group, method): {estimand: {...}}}, "slopes": {method:
-    {...}}, "draws", "comparisons"}; each estimand's point, label, interval and MDE (at the Holm
-    level of the hypothesis that decided it; when none did, of 'better' or 'worse', whichever
-    the data lean to), and the claim's label."""
-    family = hypotheses(cells, analysis, seed, estimands)
-    decision = decide_family(family, analysis)
+def analyse(cells: list, analysis: dict) -> dict:
+    """The board's decisions and descriptions: {"cells": {(group, method): {"paired",
+    "tuned", "sign", "unpaired"}}, "slopes": {method: {...}}, "families": {"main", "ladder"}}
+    (see the module docstring; ``analysis`` the registered analysis.json)."""
     alpha, power = float(analysis["family"]["alpha"]), float(analysis["mde"]["power"])
-    levels = holm_levels(decision, alpha)
-    by_key = {h.key: (h, label, level) for h, label, level
-              in zip(family, decision.labels, levels)}
-    bounds = {h.key: (float(lo), float(hi)) for h, lo, hi
-              in zip(family, decision.adjusted_low, decision.adjusted_high)}
-    first = int(analysis["monte_carlo"]["schedule"][0])
-    out: dict = {"cells": {}, "slopes": {}, "draws": decision.draws,
-                 "comparisons": len(family)}
-    for cell in cells:
-        row = {}
-        for estimand in ("tuned", "paired"):
-            kinds = {k[3]: by_key[k][1] for k in by_key if k[:3] == (cell.group, cell.method,
-                                                                     estimand)}
-            if not kinds:
-                continue
-            label = _label(kinds, decision.draws)
-            key = (cell.group, cell.method, estimand)
-            deciding = label if label in kinds else min(  # the side the data lean to
-                ("better", "worse"), key=lambda k: bounds[key + (k,)][1])
-            h, _, level = by_key[key + (deciding,)]
-            point = tuned_point(cell) if estimand == "tuned" else float(
-                np.mean(paired_differences(cell)))
-            row[estimand] = dict(point=point, label=label, decided_by=deciding,
-                                 p_adjusted=bounds[h.key],
-                                 **summary(h.draws(first), level, power))
-            if "claim" in kinds:
-                row[estimand]["claim"] = dict(
-                    low=cell.claim_low, label={"reject": "claim excluded",
-                                               "retain": "consistent"}.get(
-                        kinds["claim"], f"undecided at {decision.draws:,} draws"))
-        row["unpaired"] = "paired" not in row
-        out["cells"][(cell.group, cell.method)] = row
-    for method, rungs in ladders(cells).items():
-        h, label, level = by_key[("ladder", method, "slope", "grows")]
-        out["slopes"][method] = dict(
-            point=slope_point(rungs), rungs=[(c.mine.parameters, tuned_point(c)) for c in rungs],
-            label={"reject": "grows", "retain": "no growth shown"}.get(
-                label, f"undecided at {decision.draws:,} draws"),
-            **summary(h.draws(first), level, power))
+    ladder_spec = analysis["design"]["ladder"]
+    seeds = seed_variance(cells)
+    laws = {(c.group, c.method): paired_law(c, seeds[c.group]) for c in cells}
+    main_cells = [c for c in cells if not RUNG.fullmatch(c.model)]  # a wider rung: the slope's
+    keys, p = [], []
+    for c in main_cells:
+        law, key = laws[(c.group, c.method)], (c.group, c.method)
+        keys += [key + ("better",), key + ("worse",)]
+        p += [law.below(0.0), law.above(0.0)]
+        if c.claim_low is not None and c.claim_low > 0:
+            keys.append(key + ("claim",))
+            p.append(law.above(c.claim_low))
+    main = _holm(keys, p, alpha)
+    level = alpha / max(len(keys), 1)
+    out: dict = {"cells": {}, "slopes": {}, "families": {"main": len(keys)}}
+    tuned_level = float(analysis["intervals"]["tuned_level"])
+    for c in main_cells:
+        key = (c.group, c.method)
+        row = dict(paired=_primary_row(laws[key], level, power, main, key), unpaired=not c.paired)
+        if key + ("claim",) in main:
+            pa, rejected = main[key + ("claim",)]
+            row["paired"]["claim"] = dict(low=c.claim_low, p=pa,
+                                          label="claim excluded" if rejected else "consistent")
+        row["tuned"] = None  # a ladder rung without retrains has none
+        if len(c.base.retrains) > 1 and len(c.mine.retrains) > 1:
+            tuned, tail = tuned_law(c), (1 - tuned_level) / 2
+            row["tuned"] = dict(point=tuned_point(c), low=tuned.quantile(tail),
+                                high=tuned.quantile(1 - tail), level=tuned_level)
+        row["sign"] = (uncertainty.paired_trial_gains(c.base.test, c.mine.test,
+                                                      range(1, len(c.base.test)))
+                       if c.paired else None)
+        out["cells"][key] = row
+    out["slopes"] = analyse_ladder(cells, laws, ladder_spec, alpha)
+    out["families"]["ladder"] = 2 * len(out["slopes"])
     return out
+
+
+def analyse_ladder(cells: list, laws: dict, spec: dict, alpha: float) -> dict:
+    """Per ladder method: the slope of its paired gain per doubling of the parameters, its
+    label in the ladder's own Holm family, and the rungs' DP-SGD accuracy (the check that its
+    optimum stayed inside the space)."""
+    rungs = ladders(cells, spec)
+    edge = float(spec["edge_fraction"])
+    keys, p, slopes = [], [], {}
+    for method, rung_cells in sorted(rungs.items()):
+        x = np.log2([c.mine.parameters for c in rung_cells])
+        law = slope_law([laws[(c.group, c.method)] for c in rung_cells], x)
+        edges = [c.model for c in rung_cells if at_edge(c, edge)]
+        slopes[method] = dict(point=law.estimate, se=law.se, df=law.df, edges=edges,
+                              rungs=[(c.mine.parameters, laws[(c.group, c.method)].estimate)
+                                     for c in rung_cells],
+                              dpsgd=[(c.base.parameters, winner_accuracy(c.base))
+                                     for c in rung_cells])
+        keys += [(method, "grows"), (method, "shrinks")]
+        p += [1.0, 1.0] if edges else [law.below(0.0), law.above(0.0)]
+    decided = _holm(keys, p, alpha)
+    level = alpha / max(len(keys), 1)
+    for method, s in slopes.items():
+        q = scipy.stats.t.ppf(1 - level, s["df"]) if s["se"] > 0 else 0.0
+        s.update(low=s["point"] - q * s["se"], high=s["point"] + q * s["se"], level=level)
+        if s["edges"]:
+            s["label"] = ("not judged: DP-SGD's optimum at the edge of the space at "
+                          + ", ".join(s["edges"]))
+        else:
+            s["label"] = ("grows" if decided[(method, "grows")][1] else "shrinks"
+                          if decided[(method, "shrinks")][1] else "no trend shown")
+    return slopes
+

@@ -2,9 +2,10 @@
 it with that registered analysis (board/v4.py) and nothing else, or refuses, saying why (an
 analysis changed after its registration, a record older than it, a record not committed).
 
-The page answers first (per method and group: the label, the gain, its interval), then the
-figures, each with a legend for every colour and mark, then the tables. It prints the
-registration's commit and date.
+The page gives the decisions first (per method and group: the label, the paired gain, its
+simultaneous interval, the claim), then what they rest on (K, the recipe trial, the seeds, the
+device, the families), then the figures, each with a legend for every colour and mark, then
+the tables, where descriptive columns say so. It prints the registration's commit and date.
 """
 
 from __future__ import annotations
@@ -41,34 +42,74 @@ def _interval(row: dict) -> str:
     return f"[{_pts(row['low'])}, {_pts(row['high'])}]"
 
 
-def _gain_text(row: dict) -> str:
-    text = f"{row['label']}, {_pts(row['point'])} {_interval(row)}"
-    if row["label"] == "inconclusive":
-        text += f"; could have detected {row['mde']:.2f}"
+def _eps(x: float) -> str:
+    return f"{x:.2f}" if np.isfinite(x) else "-"
+
+
+def _group_words(group: str) -> str:
+    """A group in words: its model and epsilon."""
+    m = tuning.GROUP_PATTERN.match(group)
+    if m is None:
+        return group
+    model = MODEL_WORDS.get(m["model"], m["model"])
+    dataset = DATASET_WORDS.get(m["dataset"], m["dataset"])
+    return f"{model}, {dataset}, ε {float(m['eps']):g}"
+
+
+DATASET_WORDS = {"fashion_mnist": "Fashion-MNIST", "mnist": "MNIST", "cifar10": "CIFAR-10",
+                 "svhn_cropped": "SVHN"}
+
+
+MODEL_WORDS = {"tanh_cnn": "the tanh CNN", "scatter_linear": "ScatterNet + linear",
+               "scatter_cnn": "ScatterNet + CNN", "wrn": "WRN-16-4"}
+
+
+def _decision(row: dict) -> str:
+    p = row["paired"]
+    text = f"**{p['label']}** ({_pts(p['point'])} points {_interval(p)})"
+    if p["label"] == "inconclusive":
+        text += f"; the board could have detected {p['mde']:.2f}"
+    if "claim" in p:
+        text += f"; the paper's claim (>= {p['claim']['low']:+.1f}): {p['claim']['label']}"
     return text
 
 
 def answer_lines(out: dict, epsilons: dict, checks: dict) -> list:
-    """The answer, one line per (group, method), then one per method on the ladder."""
+    """The decisions, one line per (method, group), then one per method on the ladder."""
     lines = []
-    for (group, method), row in sorted(out["cells"].items()):
-        tuned = row["tuned"]
-        parts = [f"**{method}**, {group.replace('__', ' ')}: tuned gain {_gain_text(tuned)}"]
-        parts.append(f"ε {epsilons[(group, method)]:.2f} for all it publishes, tuning "
-                     "included")
+    for (group, method), row in sorted(out["cells"].items(), key=lambda kv: (kv[0][1],
+                                                                              kv[0][0])):
+        parts = [f"**{method}**, {_group_words(group)}: {_decision(row)}"]
+        if row["unpaired"]:
+            parts.append("its space is its own: the gain of its mean over its trials")
         if caveat(checks[group]):
             parts.append("**" + caveat(checks[group]) + "**")
-        parts.append("paired: unpaired (its space shares no knob with DP-SGD's)"
-                     if row["unpaired"] else f"paired gain {_gain_text(row['paired'])}")
-        if "claim" in tuned:
-            parts.append(f"the paper's claim (>= {tuned['claim']['low']:+.1f}): "
-                         f"{tuned['claim']['label']}")
+        parts.append(f"ε {_eps(epsilons[(group, method)])} for all it publishes")
         lines.append("- " + "; ".join(parts))
     for method, slope in sorted(out["slopes"].items()):
-        lines.append(f"- **{method}** on the dimension ladder: {slope['label']}, "
+        lines.append(f"- **{method}** on the dimension ladder: **{slope['label']}**, "
                      f"{_pts(slope['point'])} points per doubling of the parameters "
                      f"{_interval(slope)}")
     return lines
+
+
+def design_lines(analysis: dict, out: dict) -> list:
+    """What the decisions rest on, in words, from the registered analysis."""
+    d = analysis["design"]
+    return [
+        f"Each group: {d['trials_per_method']} trials per method (trial 0 the method's own "
+        f"recipe, then {d['trials_per_method'] - 1} quasirandom points shared by every "
+        f"method), the winner chosen on validation and retrained on seeds 1-{d['retrains']}; "
+        f"{d['device']['rule']}",
+        f"Decided: the paired gain in one Holm family of {out['families']['main']} at "
+        f"{analysis['family']['alpha']} ('better', 'worse', the papers' claims above 0); its "
+        f"interval is simultaneous: each end at the family's first Holm level; "
+        "'inconclusive' prints the gain the board could have detected (80% power). The "
+        f"ladder's slopes: their own family of {out['families']['ladder']}.",
+        f"Descriptive, outside both families: the tuned gain (winners' retrain means) and "
+        f"its {100 * analysis['intervals']['tuned_level']:g}% bootstrap interval "
+        f"({analysis['intervals']['tuned_coverage']}); the shared trials' sign test "
+        "(wins-losses, unadjusted p)."]
 
 
 def _plot_gains(out: dict, path: Path) -> None:
@@ -77,22 +118,23 @@ def _plot_gains(out: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
     matplotlib.rcParams["svg.hashsalt"] = "dpbench"
     rows = sorted(out["cells"].items())
-    colours = {"better": "tab:green", "worse": "tab:red", "equivalent": "tab:blue",
-               "inconclusive": "tab:gray"}
-    fig, ax = plt.subplots(figsize=(8, 0.35 * len(rows) + 1.5))
+    colours = {"better": "tab:green", "worse": "tab:red", "inconclusive": "tab:gray"}
+    fig, ax = plt.subplots(figsize=(9, 0.35 * len(rows) + 2.0))
     for y, ((group, method), row) in enumerate(rows):
-        t = row["tuned"]
-        colour = colours.get(t["label"], "black")
-        ax.errorbar(t["point"], y, xerr=[[t["point"] - t["low"]], [t["high"] - t["point"]]],
-                    fmt="o", color=colour, capsize=3)
-    for label, colour in [*colours.items(), ("undecided", "black")]:
-        ax.plot([], [], "o", color=colour, label=label)
+        p = row["paired"]
+        ax.errorbar(p["point"], y, xerr=[[p["point"] - p["low"]], [p["high"] - p["point"]]],
+                    fmt="o", color=colours[p["label"]], capsize=3)
+        if row["tuned"] is not None:
+            ax.plot(row["tuned"]["point"], y + 0.25, "D", mfc="none", color="black", ms=5)
+    for label, colour in colours.items():
+        ax.errorbar([], [], xerr=[], fmt="o", color=colour, capsize=3,
+                    label=f"paired gain, {label} (bar: simultaneous interval)")
+    ax.plot([], [], "D", mfc="none", color="black", label="tuned gain (descriptive)")
     ax.axvline(0, color="k", lw=0.8)
-    ax.set_yticks(range(len(rows)), [f"{m} · {g.replace('__', ' ')}" for (g, m), _ in rows],
+    ax.set_yticks(range(len(rows)), [f"{m} · {_group_words(g)}" for (g, m), _ in rows],
                   fontsize=7)
-    ax.set_xlabel("tuned gain over DP-SGD (test accuracy points); bar: the interval at the "
-                  "Holm level that decided the label")
-    ax.legend(fontsize=7, title="label (colour)", loc="best")
+    ax.set_xlabel("gain over DP-SGD (test accuracy points)")
+    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=2)
     _save(fig, path)
 
 
@@ -101,7 +143,7 @@ def _plot_ladder(out: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     matplotlib.rcParams["svg.hashsalt"] = "dpbench"
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fig, ax = plt.subplots(figsize=(7, 5))
     for method, slope in sorted(out["slopes"].items()):
         params, gains = zip(*slope["rungs"])
         line, = ax.plot(params, gains, "o-", label=f"{method}: slope {_pts(slope['point'])}/"
@@ -112,9 +154,9 @@ def _plot_ladder(out: dict, path: Path) -> None:
     ax.set_xscale("log", base=2)
     ax.axhline(0, color="k", lw=0.8)
     ax.set_xlabel("model parameters (log scale)")
-    ax.set_ylabel("tuned gain over DP-SGD (points)")
+    ax.set_ylabel("paired gain over DP-SGD (points)")
     ax.set_title("The dimension ladder: dots, each rung's gain; dotted, the fitted slope")
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.15), ncol=1)
     _save(fig, path)
 
 
@@ -170,27 +212,61 @@ def caveat(check: dict) -> str:
 
 def table_lines(out: dict, cells: list, epsilons: dict, checks: dict) -> list:
     by_key = {(c.group, c.method): c for c in cells}
-    lines = ["| group | method | K | winner: retrain mean (DP-SGD's) | tuned gain | interval | "
-             "label | MDE | paired gain | interval | label | claim | ε, all published "
-             "(tuning included) | baseline |", "|" + "---|" * 14]
-    for key, row in sorted(out["cells"].items()):
-        cell, t = by_key[key], row["tuned"]
-        p = row.get("paired")
+    lines = ["| method | group | K | paired gain | simultaneous interval | label | MDE | claim | "
+             "tuned gain (descriptive) | its interval | sign test (descriptive) | ε, all "
+             "published | baseline |", "|" + "---|" * 13]
+    for key, row in sorted(out["cells"].items(), key=lambda kv: (kv[0][1], kv[0][0])):
+        cell, p, t, sign = by_key[key], row["paired"], row["tuned"], row["sign"]
+        tuned = ["-", "-"] if t is None else [_pts(t["point"]), _interval(t)]
         lines.append("| " + " | ".join([
-            key[0], key[1], str(len(cell.mine.validation)),
-            f"t{cell.mine.winner}: {100 * np.mean(cell.mine.retrains):.2f} "
-            f"({100 * np.mean(cell.base.retrains):.2f})", _pts(t["point"]), _interval(t),
-            t["label"], f"{t['mde']:.2f}", "unpaired" if p is None else _pts(p["point"]),
-            "" if p is None else _interval(p), "" if p is None else p["label"],
-            t["claim"]["label"] if "claim" in t else "no claim",
-            f"{epsilons[key]:.2f}", caveat(checks[key[0]]) or "ok"]) + " |")
+            key[1], _group_words(key[0]), str(len(cell.mine.validation)),
+            _pts(p["point"]) + (" (own space)" if row["unpaired"] else ""), _interval(p),
+            p["label"], f"{p['mde']:.2f}", p["claim"]["label"] if "claim" in p else "-",
+            *tuned,
+            "-" if sign is None else f"{sign['wins']}-{sign['losses']}, p {sign['sign_p']:.2g}",
+            _eps(epsilons[key]), caveat(checks[key[0]]) or "ok"]) + " |")
+    return lines
+
+
+def ladder_lines(out: dict) -> list:
+    if not out["slopes"]:
+        return []
+    lines = ["| method | slope per doubling | interval | label | DP-SGD's winner per rung "
+             "(retrain mean) |", "|---|---|---|---|---|"]
+    for method, s in sorted(out["slopes"].items()):
+        dpsgd = ", ".join(f"{p:,}: {a:.2f}" for p, a in s["dpsgd"] if a is not None)
+        lines.append(f"| {method} | {_pts(s['point'])} | {_interval(s)} | {s['label']} | "
+                     f"{dpsgd} |")
+    return lines
+
+
+def page_lines(out: dict, cells: list, analysis: dict, head: list, epsilons: dict,
+               checks: dict, plots: dict) -> list:
+    """The page's markdown: the decisions first, what they rest on, the figures, the
+    tables."""
+    lines = ["# Board v4: each method against DP-SGD, tuned alike", "", *head, "",
+             "## Decisions", "", *answer_lines(out, epsilons, checks), "",
+             "## What they rest on", "", *[f"- {x}" for x in design_lines(analysis, out)], ""]
+    if plots:
+        lines += ["## Figures", ""]
+    if "gains" in plots:
+        lines += [f"![gains]({plots['gains']})", "",
+                  "Each row a method in one group: the dot and bar its paired gain and "
+                  "simultaneous interval, coloured by the decision (green better, red worse, "
+                  "grey inconclusive); the hollow diamond its tuned gain (descriptive).", ""]
+    if "ladder" in plots:
+        lines += [f"![the dimension ladder]({plots['ladder']})", ""]
+    lines += ["## Tables", "", "Decisions (paired gain, label, claim) and descriptions "
+              "(tuned gain, sign test) side by side; the descriptive columns say so in "
+              "their heads.", "", *table_lines(out, cells, epsilons, checks), ""]
+    if out["slopes"]:
+        lines += ["## The dimension ladder", "", *ladder_lines(out), ""]
     return lines
 
 
 def render(out: dict, cells: list, registered: dict, board_dir: Path,
            epsilons: dict, checks: dict) -> Path:
     """Writes ``board_dir``/README.md and its plots; returns the page's path."""
-    analysis = registered["analysis"]
     plots = {}
     if out["cells"]:
         _plot_gains(out, board_dir / "plots" / "v4-gains.svg")
@@ -198,44 +274,26 @@ def render(out: dict, cells: list, registered: dict, board_dir: Path,
     if out["slopes"]:
         _plot_ladder(out, board_dir / "plots" / "v4-ladder.svg")
         plots["ladder"] = "plots/v4-ladder.svg"
-    mc = analysis["monte_carlo"]
-    lines = [
-        "# Board v4: each method against DP-SGD, tuned alike", "",
-        f"Analysis registered in commit `{registered['commit'][:10]}` on {registered['date']} "
-        "(`analysis.json`); every record under `records/` was committed after it, checked "
-        "when this page was built (`dpbench board`).", "", "## The answer", "",
-        *answer_lines(out, epsilons, checks), "",
-        f"Labels: one Holm family of {out['comparisons']} hypotheses at "
-        f"{analysis['family']['alpha']} over the whole board; 'equivalent' is within "
-        f"+-{analysis['margin_points']} point; 'inconclusive' prints the gain the board could "
-        f"have detected (80% power, at the level that cell was judged); a label is settled by "
-        f"the Monte Carlo rule (draws up to {mc['schedule'][-1]:,}; it differs from the "
-        f"infinite-draw label with probability <= {mc['flip_probability']}), else 'undecided "
-        "at N draws'. Intervals: the percentile bootstrap at the Holm level of the hypothesis "
-        "that decided the label (the selection of both winners resampled, each arm's seeds "
-        "with its own variance).", "", "## Figures", ""]
-    if "gains" in plots:
-        lines += [f"![tuned gains]({plots['gains']})", "",
-                  "Each dot a method's tuned gain in one group, its bar the interval; colour: "
-                  "the label (green better, red worse, blue equivalent, grey inconclusive, "
-                  "black undecided).", ""]
-    if "ladder" in plots:
-        lines += [f"![the dimension ladder]({plots['ladder']})", ""]
-    lines += ["## Tables", "", *table_lines(out, cells, epsilons, checks), ""]
+    head = [f"Analysis registered in commit `{registered['commit'][:10]}` on "
+            f"{registered['date']} (`analysis.json`); every record under `records/` was "
+            "committed after it, checked when this page was built (`dpbench board`)."]
     page = board_dir / PAGE
-    records_lib.atomic_write_text(page, "\n".join(lines))
+    records_lib.atomic_write_text(page, "\n".join(page_lines(
+        out, cells, registered["analysis"], head, epsilons, checks, plots)))
     return page
 
 
-def build_v4(records_dir, methods_dirs, seed: int = 0, history=()) -> Path:
+def build_v4(records_dir, methods_dirs, history=()) -> Path:
     """The registered board whose records are ``records_dir``: checked (registration), analysed
     (v4.analyse) and rendered beside them; ``history``: earlier boards' record folders, for
     the baseline check. Raises RegistrationError or SearchRecordError."""
     board_dir = Path(records_dir).resolve().parent
     registered = registration.registration(board_dir)
     plans = _plans(records_dir)
-    cells = v4.read_cells(records_dir, plans, methods_lib.claims(methods_dirs))
-    out = v4.analyse(cells, registered["analysis"], seed)
+    analysis = registered["analysis"]
+    cells = v4.read_cells(records_dir, plans, methods_lib.claims(methods_dirs),
+                          analysis["design"]["device"]["jax"])
+    out = v4.analyse(cells, analysis)
     return render(out, cells, registered, board_dir,
                   published_epsilons(records_dir, plans, cells),
                   baseline_checks(cells, history))

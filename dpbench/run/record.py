@@ -45,6 +45,7 @@ def run_record(settings: Settings, run, config: TrainConfig, state, progress, *,
         versions=numerics.versions(), git_commit=records.git_commit(),
         git_dirty=records.git_dirty(), stage_sources=sources, outside_code=code,
         devices=[str(d) for d in run.mesh.devices.flat],
+        device_kind=run.mesh.devices.flat[0].device_kind,  # e.g. 'cpu', 'NVIDIA H100 80GB HBM3'
         privacy_statement=statement_for(settings, run, end_step, epsilon, sources,
                                         diagnostics=bool(config.fidelity_every_steps),
                                         code=code),

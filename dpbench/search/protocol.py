@@ -40,7 +40,7 @@ SPEC_KINDS = ("log_uniform", "uniform", "choice", "value")
 # space keys that always change a run's DpEvent: they must be declared "privacy": true
 DP_EVENT_KEYS = ("train.batch_size", "train.epochs")
 # the keys each level may hold: a typo ("exlude", "spcae") is refused, never silently ignored
-# "analysis": the board's registered analysis (board/registration.py), relative to the protocol
+# "analysis": the board's registered analysis (search/registration.py), relative to the protocol
 PROTOCOL_KEYS = {"delta", "epsilons", "seeds", "trials", "families", "method_dirs", "about",
                  "analysis"}
 FAMILY_KEYS = {"gin_files", "base", "space", "methods", "about", "space_is", "base_is"}

@@ -19,8 +19,8 @@ from pathlib import Path
 
 ANALYSIS = "analysis.json"
 # what an analysis must fix, each a JSON object or value the verdicts read
-KEYS = {"board", "estimands", "family", "labels", "margin_points", "variance", "intervals",
-        "mde", "monte_carlo", "design", "about"}
+KEYS = {"board", "about", "study", "estimands", "tests", "family", "labels", "variance",
+        "intervals", "mde", "design"}
 
 
 class RegistrationError(ValueError):
@@ -34,7 +34,7 @@ def analysis_path(records_dir) -> Path:
 
 
 def load_analysis(path) -> dict:
-    """The analysis, its keys and Monte Carlo rule checked."""
+    """The analysis, its keys and the numbers its verdicts read checked."""
     try:
         analysis = json.loads(Path(path).read_text())
     except (OSError, json.JSONDecodeError) as e:
@@ -43,13 +43,12 @@ def load_analysis(path) -> dict:
     if missing or extra:
         raise RegistrationError(f"{path}: an analysis names exactly {sorted(KEYS)}; missing "
                                 f"{sorted(missing)}, unknown {sorted(extra)}")
-    mc = analysis["monte_carlo"]
-    schedule = mc.get("schedule") if isinstance(mc, dict) else None
-    if (not isinstance(schedule, list) or not schedule or schedule != sorted(schedule)
-            or not all(isinstance(n, int) and n > 0 for n in schedule)
-            or not 0 < mc.get("flip_probability", 0) < 1):
-        raise RegistrationError(f"{path}: monte_carlo needs an increasing 'schedule' of draw "
-                                "counts and a 'flip_probability' in (0, 1)")
+    numbers = [("family", "alpha"), ("mde", "power"), ("intervals", "tuned_level")]
+    for section, key in numbers:
+        value = analysis[section].get(key) if isinstance(analysis[section], dict) else None
+        if not isinstance(value, (int, float)) or not 0 < value < 1:
+            raise RegistrationError(f"{path}: {section}.{key} must be a number in (0, 1), got "
+                                    f"{value!r}")
     return analysis
 
 

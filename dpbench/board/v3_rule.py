@@ -38,7 +38,7 @@ import numpy as np
 import scipy.stats
 
 from dpbench.board import decide as decide_lib
-from dpbench.board import v4
+from dpbench.board import arms
 from dpbench.board import uncertainty
 from dpbench.board.results import BASELINE
 from dpbench.search import methods as methods_lib
@@ -50,7 +50,7 @@ LADDER_RUNG = re.compile(r"tanh_cnn_x\d+")  # the ladder's rungs: tanh_cnn_x1, _
 
 
 # One arm's runs and one cell, read as board v4 reads them (coordinates and devices unused).
-Arm, Cell, read_arm, shares_keys = v4.Arm, v4.Cell, v4.read_arm, v4.shares_keys
+Arm, Cell, read_arm, shares_keys = arms.Arm, arms.Cell, arms.read_arm, arms.shares_keys
 
 
 def read_cells(records_dir, plans: dict, claims: dict) -> list:

@@ -1,0 +1,91 @@
+"""A board's published runs read per arm and cell: what board v4's analysis (board/v4.py) and
+the rule board v3's page applies (board/v3_rule.py) both read."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import NamedTuple, Optional
+
+import numpy as np
+
+from dpbench.board import board_model
+from dpbench.board.board_model import BASELINE
+from dpbench.search import space as search_space
+from dpbench.search import tuning
+
+
+class Arm(NamedTuple):
+    """One method's runs in one group: the K seed-0 trials (None: diverged), its winner's
+    retrains, its parameter count and each trial's coordinates in the family's space (None
+    where the space has no lr x C and C to place them by)."""
+    validation: list
+    test: list
+    winner: int
+    retrains: list
+    parameters: Optional[int]
+    coordinates: Optional[np.ndarray] = None
+    devices: frozenset = frozenset()  # (device kind, JAX version) of its records
+
+
+class Cell(NamedTuple):
+    group: str
+    method: str
+    epsilon: float
+    model: str
+    base: Arm
+    mine: Arm
+    paired: bool            # the method's trials share DP-SGD's points
+    claim_low: Optional[float]   # the smallest claimed gain, points (None: no claim here)
+    space: object = None    # board_model.Space of the family, or None
+
+
+def family_space(plan: dict):
+    """The family's shared space as board_model places a configuration, or None."""
+    try:
+        return board_model.Space.of(plan["family_spec"])
+    except (KeyError, TypeError):
+        return None
+
+
+def read_arm(group_dir: Path, plan: dict, method: str, space=None) -> Arm:
+    """The arm's published runs (every search trial and every retrain must be published)."""
+    seed0 = plan["seeds"][0]
+    trials = [tuning.trial_outcome(group_dir, method, t, seed0)[0]
+              for t in range(plan["num_trials"])]
+    validation = [None if r is None else r["validation_accuracy"] for r in trials]
+    winner = tuning.choose_trial(dict(enumerate(validation)))
+    retrains, run_records = [], []
+    for seed in plan["seeds"][1:]:
+        record, where = tuning.trial_outcome(group_dir, method, winner, seed)
+        if record is None:
+            raise tuning.SearchRecordError(f"{where}: a retrain of {method}'s winner diverged; "
+                                           "its seed part is undefined")
+        retrains.append(record["test_accuracy"])
+        run_records.append(record)
+    coordinates = None
+    if space is not None:
+        coordinates = np.array([np.full(2 + len(space.levels), np.nan) if r is None else
+                                space.coordinates(*board_model._record_config(r))  # noqa: SLF001
+                                for r in trials])
+    finished = [r for r in trials if r is not None]
+    return Arm(validation, [None if r is None else r["test_accuracy"] for r in trials], winner,
+               retrains, finished[0].get("model_parameters") if finished else None,
+               coordinates, frozenset(device_of(r) for r in finished + run_records))
+
+
+def device_of(record: dict) -> tuple:
+    """(device kind, JAX version) a run trained on: its record's device_kind, else the
+    platform of its first device ('cuda', 'cpu')."""
+    kind = record.get("device_kind") or str(record.get("devices", ["?"])[0]).split(":")[0]
+    return kind, record.get("versions", {}).get("jax", "?")
+
+
+def shares_keys(plan: dict, method: str) -> bool:
+    """Whether ``method``'s random trials keep any of the family's shared keys that DP-SGD's
+    keep (then trial j of both ran the same values of them)."""
+    if plan["num_trials"] < 2:
+        return False
+    protocol = {"families": {plan["family"]: plan["family_spec"]}}
+    keys = [set(search_space.shared_draw(plan["methods"][m]["trials"][1], protocol,
+                                         plan["family"], m)) for m in (BASELINE, method)]
+    return bool(keys[0] & keys[1])

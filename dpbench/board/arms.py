@@ -38,6 +38,11 @@ class Cell(NamedTuple):
     claim_low: Optional[float]   # the smallest claimed gain, points (None: no claim here)
     space: object = None    # board_model.Space of the family, or None
 
+    def tuned_point(self) -> float:
+        """The tuned gain in points: the mean of the method's winner's retrains minus
+        DP-SGD's."""
+        return 100.0 * (float(np.mean(self.mine.retrains)) - float(np.mean(self.base.retrains)))
+
 
 def family_space(plan: dict):
     """The family's shared space as board_model places a configuration, or None."""
@@ -65,7 +70,7 @@ def read_arm(group_dir: Path, plan: dict, method: str, space=None) -> Arm:
     coordinates = None
     if space is not None:
         coordinates = np.array([np.full(2 + len(space.levels), np.nan) if r is None else
-                                space.coordinates(*board_model._record_config(r))  # noqa: SLF001
+                                space.coordinates(*board_model.record_config(r))
                                 for r in trials])
     finished = [r for r in trials if r is not None]
     return Arm(validation, [None if r is None else r["test_accuracy"] for r in trials], winner,

@@ -141,7 +141,7 @@ def _binding_values(bindings) -> dict:
     return out
 
 
-def _record_config(record: dict) -> tuple:
+def record_config(record: dict) -> tuple:
     """(lr, clip bound, {batch, epochs, ema}) a run trained with, from its record."""
     options = {s["name"]: s for s in record["stages"]}
     clip = next(options[n][k] for n, k in (("clip.global_l2", "l2_bound"),
@@ -164,7 +164,7 @@ def read_group(group_dir: Path) -> dict:
         for t in range(plan["num_trials"]):
             record = json.loads((group_dir / f"{method}-t{t}-seed0" /
                                  "run_record.json").read_text())
-            lr, clip, settings = _record_config(record)
+            lr, clip, settings = record_config(record)
             rows.append((space.coordinates(lr, clip, settings), 100 * record["test_accuracy"],
                          100 * record["validation_accuracy"]))
         val = [r[2] for r in rows]

@@ -24,7 +24,7 @@ from typing import Optional
 import numpy as np
 
 from dpbench.board import board_model as bm
-from dpbench.board import ideal
+from dpbench.board import decide, ideal
 from dpbench.board.gains import TLaw
 
 BASELINE = bm.BASELINE
@@ -197,15 +197,6 @@ def tuned_truths(model: bm.BoardModel, design: Design, methods: list, groups: li
     return {k: v / boards for k, v in sums.items()}
 
 
-def _p_values(design: Design, law, claim_low) -> dict:
-    nan = getattr(law, "nan_mass", 0.0)
-    out = dict(better=law.below(0.0) + nan, worse=law.above(0.0) + nan,
-               equivalent=max(law.below(-design.margin), law.above(design.margin)) + nan)
-    if claim_low is not None:
-        out["claim"] = law.above(claim_low) + nan
-    return {k: min(1.0, v) for k, v in out.items()}
-
-
 def law_sd(law) -> float:
     """The scale its test judges a gain against: a t test's standard error (its quantile is
     Student's), a bootstrap law's standard deviation (its quantile taken as normal)."""
@@ -255,7 +246,7 @@ def simulate_board(model: bm.BoardModel, design: Design, methods: list, groups: 
                                       - np.mean(arms[BASELINE]["retrains"]))
                                 if estimand == "tuned" else _estimate(law))
                 scale[at] = (law_sd(law), law.df if isinstance(law, TLaw) else math.inf)
-                values = _p_values(design, law, lows.get(method))
+                values = ideal.p_values(law, design.margin, lows.get(method))
                 for e, kind in cell_hypotheses(design, [estimand], lows.get(method)):
                     keys.append((name, method, e, kind))
                     ps.append(values[kind])
@@ -278,13 +269,6 @@ def is_null(kind: str, gain: float, claim_low: Optional[float], margin: float) -
 
 
 def holm_reject(p: np.ndarray, alpha: float, extra: int = 0) -> np.ndarray:
-    """Holm's step-down at ``alpha`` over ``p`` and ``extra`` hypotheses outside the simulated
-    board, which never reject first (their p-values taken as 1: the board's own share)."""
-    m = len(p) + extra
-    order = np.argsort(p, kind="stable")
-    reject = np.zeros(len(p), bool)
-    for rank, i in enumerate(order):
-        if p[i] > alpha / (m - rank):
-            break
-        reject[i] = True
-    return reject
+    """Holm at ``alpha`` (decide.holm_adjusted) over ``p`` and ``extra`` hypotheses outside the
+    simulated board, which never reject first (their p-values taken as 1: the board's share)."""
+    return decide.holm_adjusted(np.concatenate([p, np.ones(extra)]))[:len(p)] <= alpha

@@ -84,10 +84,6 @@ def _scores(values) -> np.ndarray:
     return np.array([np.nan if v is None else 100.0 * v for v in values])
 
 
-def tuned_point(cell: Cell) -> float:
-    return 100.0 * (float(np.mean(cell.mine.retrains)) - float(np.mean(cell.base.retrains)))
-
-
 def tuned_draws(cell: Cell, draws: int, seed: int) -> np.ndarray:
     """``draws`` bootstrap draws of the tuned gain (points): the realized gain, plus the
     re-selected winners' seed-0 gain minus the realized one, plus Welch's seed part (Student t
@@ -146,7 +142,7 @@ def ladders(cells: list) -> dict:
 
 def slope_point(rungs: list) -> float:
     x = np.log2([c.mine.parameters for c in rungs])
-    return float(_slope(x, np.array([[tuned_point(c)] for c in rungs]))[0])
+    return float(_slope(x, np.array([[c.tuned_point()] for c in rungs]))[0])
 
 
 def slope_draws(rungs: list, draws: int, seed: int) -> np.ndarray:
@@ -266,7 +262,7 @@ def analyse(cells: list, analysis: dict, seed: int = 0,
             deciding = label if label in kinds else min(  # the side the data lean to
                 ("better", "worse"), key=lambda k: bounds[key + (k,)][1])
             h, _, level = by_key[key + (deciding,)]
-            point = tuned_point(cell) if estimand == "tuned" else float(
+            point = cell.tuned_point() if estimand == "tuned" else float(
                 np.mean(paired_differences(cell)))
             row[estimand] = dict(point=point, label=label, decided_by=deciding,
                                  p_adjusted=bounds[h.key],
@@ -281,7 +277,7 @@ def analyse(cells: list, analysis: dict, seed: int = 0,
     for method, rungs in ladders(cells).items():
         h, label, level = by_key[("ladder", method, "slope", "grows")]
         out["slopes"][method] = dict(
-            point=slope_point(rungs), rungs=[(c.mine.parameters, tuned_point(c)) for c in rungs],
+            point=slope_point(rungs), rungs=[(c.mine.parameters, c.tuned_point()) for c in rungs],
             label={"reject": "grows", "retain": "no growth shown"}.get(
                 label, f"undecided at {decision.draws:,} draws"),
             **summary(h.draws(first), level, power))

@@ -118,10 +118,6 @@ def tuned_law(cell: Cell) -> ideal.TunedLaw:
                           cell.mine.winner, cell.mine.retrains)
 
 
-def tuned_point(cell: Cell) -> float:
-    return 100.0 * (float(np.mean(cell.mine.retrains)) - float(np.mean(cell.base.retrains)))
-
-
 def ladders(cells: list, ladder: dict) -> dict:
     """method -> its ladder cells ordered by parameters: the rungs' models (``base``_xN) and
     the main board's ``base`` model as x1, at the ladder's epsilon; only methods with at least
@@ -199,7 +195,7 @@ def analyse(cells: list, analysis: dict) -> dict:
         row["tuned"] = None  # a ladder rung without retrains has none
         if len(c.base.retrains) > 1 and len(c.mine.retrains) > 1:
             tuned, tail = tuned_law(c), (1 - tuned_level) / 2
-            row["tuned"] = dict(point=tuned_point(c), low=tuned.quantile(tail),
+            row["tuned"] = dict(point=c.tuned_point(), low=tuned.quantile(tail),
                                 high=tuned.quantile(1 - tail), level=tuned_level)
         row["sign"] = (uncertainty.paired_trial_gains(c.base.test, c.mine.test,
                                                       range(1, len(c.base.test)))

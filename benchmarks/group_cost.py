@@ -1,5 +1,7 @@
-"""What a trial costs, grouped (T trials, one compiled step: dpbench/run/group.py) against one
-process per trial (what `dpbench sweep` ran until now), as ratios measured in one run.
+"""What a trial costs, grouped (T trials, one compiled step: dpbench/run/trials.py) against one
+process per trial (what `dpbench sweep` ran until now), as ratios measured in one run, and how
+much of a group's wall time is the host's serial work (the trials' starts and ends, one after
+another, and the comparison of their programs).
 
     python -m benchmarks.group_cost --out=leaderboard/group-cost-cpu.md
 
@@ -7,7 +9,7 @@ Every trial is a whole run (start, compile, its steps, evaluation, its record) o
 its own learning rate, clip bound and seed, so a grouped trial's cost includes its share of the
 group's one compilation. Solo: ``--solo`` trials, each `python -m dpbench.main` in a fresh
 process (imports, data, compile, steps), timed from the outside. Grouped: one process trains
-T trials with ``run.group.train_trials``; its wall time (the process's start excluded, then
+T trials with ``run.trials.train_trials``; its wall time (the process's start excluded, then
 added back once as the measured import time) divided by T.
 """
 
@@ -55,20 +57,24 @@ def solo_seconds(workdir: Path, i: int) -> float:
 
 def import_seconds() -> float:
     t0 = time.time()
-    subprocess.run([sys.executable, "-c", "import dpbench.run.group"], cwd=REPO_ROOT,
+    subprocess.run([sys.executable, "-c", "import dpbench.run.trials"], cwd=REPO_ROOT,
                    check=True, capture_output=True)
     return time.time() - t0
 
 
 def grouped_seconds(workdir: Path, size: int) -> tuple:
-    from dpbench.run import group
-    trials = [group.Trial(workdir / f"t{i}", tuple(FLAGS.gin_file), tuple(trial_bindings(i)))
-              for i in range(size)]
+    from dpbench.run import trials as run_trials
+    trials = [run_trials.Trial(workdir / f"t{i}", tuple(FLAGS.gin_file),
+                               tuple(trial_bindings(i))) for i in range(size)]
+    timings: dict = {}
     t0 = time.time()
-    records = group.train_trials(trials, batching=FLAGS.batching)
+    records = run_trials.train_trials(trials, batching=FLAGS.batching, timings=timings)
     wall = time.time() - t0
     finished = [r for r in records if isinstance(r, dict)]  # a diverged trial: its error
-    return wall, finished[0]["group"], [r["steps"] for r in finished], len(finished)
+    return wall, finished[0]["group"], [r["steps"] for r in finished], len(finished), timings
+
+
+SERIAL = ("starts_s", "compare_s", "ends_s")  # the host's work, one trial after another
 
 
 def _fmt(value) -> str:
@@ -118,15 +124,18 @@ def main(argv) -> None:
         rows = []
         for size in map(int, FLAGS.sizes):
             try:
-                wall, info, steps, finished = grouped_seconds(tmp / f"group{size}", size)
+                wall, info, steps, finished, timings = grouped_seconds(tmp / f"group{size}",
+                                                                       size)
             except Exception as e:  # noqa: BLE001  (a report row says what failed)
                 rows.append(dict(T=size, error=f"{type(e).__name__}: {e}"[:600]))
                 print(json.dumps(rows[-1]), flush=True)
                 continue
             per_trial = (wall + report["import_s"]) / size
+            serial = sum(timings.get(k, 0.0) for k in SERIAL)
             rows.append(dict(T=size, wall_s=wall, per_trial_s=per_trial,
                              solo_over_grouped=solo / per_trial, steps=sorted(set(steps)),
-                             finished=finished,
+                             finished=finished, timings=timings, serial_s=serial,
+                             serial_share=serial / wall,
                              **{k: info.get(k) for k in ("batching", "knobs", "group_steps",
                                                      "loop_s", "host_batch_s")}))
             print(json.dumps(rows[-1]), flush=True)
@@ -138,11 +147,14 @@ def main(argv) -> None:
              f"trial, mean of {len(report['solo_s'])}: {solo:.1f} s (imports alone: "
              f"{report['import_s']:.1f} s).", "",
              "| T | batching | group wall s | per trial s | solo / grouped | loop s | of it, "
-             "batches on the host s |", "|---|---|---|---|---|---|---|"]
+             "batches on the host s | host serial s (starts + compare + ends) | serial share "
+             "of wall |", "|---|---|---|---|---|---|---|---|---|"]
     lines += [f"| {r['T']} | failed: {r['error'][:200]} |" if "error" in r else
               f"| {r['T']} | {r['batching'] or 'alone (the solo loop)'} | {r['wall_s']:.1f} | "
               f"{r['per_trial_s']:.2f} | {r['solo_over_grouped']:.2f}x | {_fmt(r['loop_s'])} | "
-              f"{_fmt(r['host_batch_s'])} |"
+              f"{_fmt(r['host_batch_s'])} | {r['serial_s']:.1f} ("
+              f"{' + '.join(_fmt(r['timings'].get(k)) for k in SERIAL)}) | "
+              f"{r['serial_share']:.2f} |"
               for r in rows]
     text = "\n".join(lines) + "\n"
     print(text)

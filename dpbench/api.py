@@ -21,7 +21,7 @@ from typing import Sequence
 from dpbench import cli_args, config, records
 from dpbench.compiler import check as stage_check
 from dpbench.compiler.rules import validate_pipeline
-from dpbench.run import loop as run_loop
+from dpbench.run import trials as run_trials
 
 
 def _parse(gin_files: Sequence[str], gin: str | Sequence[str]) -> None:
@@ -51,7 +51,7 @@ def train(workdir, gin_files: Sequence[str] = (), gin: str | Sequence[str] = (),
     if progress:
         cli_args.start_logging()
     _parse(gin_files, gin)  # the train loop validates the pipeline, once
-    return run_loop.train(Path(workdir), config.TrainConfig(), gin_files=list(gin_files),
+    return run_trials.train(Path(workdir), config.TrainConfig(), gin_files=list(gin_files),
                            overwrite=overwrite)
 
 

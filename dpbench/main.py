@@ -11,6 +11,8 @@ from dpbench import accounting, checkpoint, cli_args, config
 from dpbench.compiler.rules import PipelineError, validate_pipeline
 from dpbench.run import loop as run_loop
 from dpbench.run import start as run_start
+from dpbench.run import launch
+from dpbench.run import trials as run_trials
 
 
 def _train_parser() -> cli_args.FlagParser:
@@ -22,6 +24,14 @@ def _train_parser() -> cli_args.FlagParser:
     parser.add_argument("--overwrite", action="store_true",
                         help="start again in a --workdir that holds a finished run (the old "
                              "run is moved to <workdir>/superseded/, never deleted)")
+    parser.add_argument("--trials", default=None,
+                        help="a JSON list of {workdir, gin_files, bindings}: every trial "
+                             "trained as --workdir/--gin_file/--gin_bindings would train it, "
+                             "trials that differ only in their numbers as one compiled step "
+                             "(what a sweep launches; replaces --workdir and --gin_file)")
+    parser.add_argument("--outcomes", default=None,
+                        help="with --trials: write each trial's outcome (finished, or "
+                             "diverged with its message) to this JSON file at the end")
     return parser
 
 
@@ -31,14 +41,36 @@ def _check_parser() -> cli_args.FlagParser:
     return parser
 
 
+def _train_trials_file(args) -> None:
+    if args.workdir or args.gin_file or args.gin_bindings:
+        _bad_input("--trials names every trial's workdir, gin files and bindings: drop "
+                   "--workdir, --gin_file and --gin_bindings")
+    try:
+        outcomes = run_trials.run_trials_file(Path(args.trials), args.outcomes and
+                                              Path(args.outcomes), overwrite=args.overwrite)
+    except (config.ConfigError, PipelineError, accounting.BudgetError, FileNotFoundError,
+            FileExistsError, ValueError, checkpoint.CheckpointError) as e:
+        print(f"dpbench: error: {e}", file=sys.stderr)
+        sys.exit(2)
+    except KeyboardInterrupt:
+        print(f"dpbench: interrupted; rerun the same command to resume the trials of "
+              f"{args.trials} from their checkpoints", file=sys.stderr)
+        sys.exit(130)
+    diverged = sum(o["outcome"] == launch.DIVERGED for o in outcomes)
+    print(f"{len(outcomes)} trials: {len(outcomes) - diverged} finished, {diverged} diverged")
+
+
 def main(args) -> None:
+    if args.trials:
+        _train_trials_file(args)
+        return
     if not args.workdir:
         _bad_input("--workdir is required (where the run writes its record)")
     if not args.gin_file:
         _bad_input("give at least one --gin_file, e.g. pipelines/dpsgd/pipeline.gin")
     try:
         config.parse_config(args.gin_file, args.gin_bindings)
-        run_loop.train(args.workdir, gin_files=args.gin_file, overwrite=args.overwrite)
+        run_trials.train(args.workdir, gin_files=args.gin_file, overwrite=args.overwrite)
     except (config.ConfigError, PipelineError, accounting.BudgetError, FileNotFoundError,
             FileExistsError, ValueError, checkpoint.CheckpointError,
             run_loop.TrainingDiverged) as e:

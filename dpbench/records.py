@@ -225,7 +225,7 @@ def privacy_statement(*, epsilon: float, delta: float, mechanisms: list, sampler
     non-private diagnostics, ...); ``inputs`` lists, the same way, what is done to each
     example before the model's first learned layer (feature transforms, per-example
     normalization) and why it costs nothing; ``outside_stages`` lists the stages that are not
-    dpbench's own (``compiler.check.stage_sources`` with the checks they passed): the epsilon
+    dpbench's own (``compiler.sources.stage_sources`` with the checks they passed): the epsilon
     rests on their declarations, which dpbench checks on synthetic data but cannot prove;
     ``outside_code`` lists the run's dataset and model when they are not dpbench's own
     ({"kind", "name"} and ``outside_source``'s module, path and sha256): what the run trained

@@ -335,14 +335,14 @@ def test_ctrl_c_before_the_first_checkpoint_says_nothing_was_saved(tmp_path, mon
     """Interrupted before any checkpoint, the message does not promise a resume."""
     from types import SimpleNamespace
     from dpbench import main
-    from dpbench.run import loop
+    from dpbench.run import trials
 
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(loop, "train", interrupted)
+    monkeypatch.setattr(trials, "train", interrupted)
     args = SimpleNamespace(workdir=str(tmp_path / "run"), gin_file=DIGITS, gin_bindings=[],
-                           overwrite=False)
+                           overwrite=False, trials=None)
     with pytest.raises(SystemExit) as done:
         main.main(args)
     assert done.value.code == 130

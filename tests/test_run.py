@@ -47,7 +47,7 @@ def test_a_pipeline_is_validated_once_and_compiled_once_on_its_way_to_the_step(
     the step is lowered once; `check` compiles nothing for dpbench's own stages."""
     from dpbench import api
     from dpbench.compiler import pipeline, rules
-    from dpbench.run import loop
+    from dpbench.run import trials
     counts = {"validated": 0, "lowered": 0}
     check_one_off, lower = rules._check_one_off, pipeline.lower  # one call per validation
 
@@ -64,7 +64,7 @@ def test_a_pipeline_is_validated_once_and_compiled_once_on_its_way_to_the_step(
     files, quick = ["pipelines/dpsgd", "gin/data/digits.gin"], "train.epochs = 0.2"
     if path == "dpbench train":
         config.parse_config(files, [quick])
-        loop.train(tmp_path / "run", gin_files=files)
+        trials.train(tmp_path / "run", gin_files=files)
     elif path == "api.train":
         api.train(tmp_path / "run", files, gin=quick)
     else:
@@ -78,7 +78,8 @@ def _settings(stages=("grad.per_example", "clip.global_l2"), l2_bound=1.0, batch
     from types import SimpleNamespace
     from dpbench.run import Settings
     facts = [dict(name=n, l2_bound=l2_bound) for n in stages]
-    sampler = SimpleNamespace(describe=lambda: dict(sampling="poisson", sampling_rate=0.1))
+    sampler = SimpleNamespace(describe=lambda: dict(sampling="poisson", sampling_rate=0.1,
+                                                    padded_batch_size=batch_size + 32))
     compiled = SimpleNamespace(plan=SimpleNamespace(facts=lambda: facts), total_steps=7,
                                sampler=sampler, noise_multiplier=sigma,
                                init_noise_multiplier=None, sensitivity=l2_bound,
@@ -92,12 +93,14 @@ def _settings(stages=("grad.per_example", "clip.global_l2"), l2_bound=1.0, batch
 
 def test_trials_share_a_group_by_shape_and_structure_never_by_their_numbers():
     """Settings.group_key names what the trials of one compiled step must share: a trial's
-    clip bound, seed, epsilon and sigma are its own; its stage list and batch size are not."""
+    clip bound, seed, epsilon and sigma (real numbers) are its own; its stage list, batch size
+    and a stage's integer facts are not."""
     base = _settings()
     assert _settings(l2_bound=0.5, seed=3, epsilon=1.0, sigma=2.0).group_key() == \
         base.group_key()
     assert _settings(batch_size=128).group_key() != base.group_key()
     assert _settings(stages=("grad.per_example", "clip.other")).group_key() != base.group_key()
+    assert _settings(l2_bound=2).group_key() != base.group_key()  # an int: a count, a shape
     assert base.as_json()["planned_steps"] == 7 and base.digest() == _settings().digest()
     assert _settings(seed=1).digest() != base.digest()
 

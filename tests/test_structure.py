@@ -293,12 +293,68 @@ def house(folders=("dpbench", "benchmarks", "tools")) -> tuple:
     return rooms, edges, max(level(r) for r in rooms)
 
 
-def test_the_house_has_at_most_7_layers_and_88_import_edges_between_rooms():
+def test_the_house_has_at_most_7_layers_and_87_import_edges_between_rooms():
     """The house's shape, held where it stands (26 rooms): a change that adds a layer or an
     edge between rooms raises the bound here and says why. 86: tools/compare_rerun.py reads a
     rerun's records with search/tuning's own readers (a winner by the board's rule, not a
     second copy of it). 88: the search keys its answers on disk by the host's numerics
     (search/answers.py -> numerics), and the package versions a record and the audit name
-    moved to numerics (one function, which both numerics and records needed)."""
+    moved to numerics (one function, which both numerics and records needed). 87: the sweep's
+    pool moved from tools/ into the package (sweep/local.py)."""
     rooms, edges, layers = house()
-    assert layers <= 7 and len(edges) <= 88, (len(rooms), len(edges), layers)
+    assert layers <= 7 and len(edges) <= 87, (len(rooms), len(edges), layers)
+
+
+def _python_files(*folders) -> dict:
+    """repo-relative path -> parsed tree, for every Python file under ``folders``."""
+    return {str(p.relative_to(REPO_ROOT)): ast.parse(p.read_text())
+            for folder in folders for p in sorted((REPO_ROOT / folder).rglob("*.py"))}
+
+
+def _launches_dpbench(node) -> bool:
+    """A command list that runs a dpbench module (``[..., "-m", "dpbench...", ...]``)."""
+    if not isinstance(node, ast.List):
+        return False
+    words = [e.value for e in node.elts if isinstance(e, ast.Constant) and isinstance(
+        e.value, str)]
+    return any(a == "-m" and b.startswith("dpbench") for a, b in zip(words, words[1:]))
+
+
+def test_one_training_loop_one_launcher_one_packing_rule():
+    """Trials go to the device one way. One loop: the only function that steps trials between
+    two Ctrl-C checks is run/loop.train_members. One launcher: the only command line in the
+    package or tools/ that starts a dpbench process to train is run/launch.launch_command
+    (``dpbench train --trials``, whose main trains through run/trials: an import the house sees,
+    as is the sweep's through run/launch). One packing rule: what may differ within a group is
+    declared in run/settings.py alone (read off a job's bindings by sweep/jobs.structure_of; no
+    other module defines a shape or group key, or names a setting's gin key to pack by), and only run/group.py and compiler/group.py read a traced
+    program's signature. A second copy of any of them fails this test."""
+    files = _python_files("dpbench", "tools")
+    loops, launchers, declarations, signatures, gin_keys = [], [], [], [], []
+    for path, tree in files.items():
+        for fn in (n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)):
+            if any(isinstance(n, ast.Attribute) and n.attr == "between_steps"
+                   for n in ast.walk(fn)):
+                loops.append(f"{path}:{fn.name}")
+            if any(_launches_dpbench(n) for n in ast.walk(fn)):
+                launchers.append(f"{path}:{fn.name}")
+            if fn.name in ("shape_of", "structure_of", "group_key", "binding_structure") \
+                    and path.startswith(("dpbench/run", "dpbench/sweep", "tools")):
+                declarations.append(f"{path}:{fn.name}")
+        signatures += [path for n in ast.walk(tree)  # a traced program's, not inspect's
+                       if isinstance(n, ast.Attribute) and n.attr == "signature"
+                       and not (isinstance(n.value, ast.Name) and n.value.id == "inspect")][:1]
+        gin_keys += [path for n in ast.walk(tree) if isinstance(n, ast.Constant)
+                     and n.value in ("train.batch_size", "train.micro_batch_size")][:1]
+    assert loops == ["dpbench/run/loop.py:train_members"], loops
+    assert launchers == ["dpbench/run/launch.py:launch_command"], launchers
+    # the declaration (settings.py) and the sweep's reading of it off a job's bindings
+    assert sorted(declarations) == ["dpbench/run/settings.py:binding_structure",
+                                    "dpbench/run/settings.py:group_key",
+                                    "dpbench/sweep/jobs.py:structure_of"], declarations
+    assert sorted(signatures) == ["dpbench/compiler/group.py", "dpbench/run/group.py"], signatures
+    packers = [p for p in gin_keys if p.startswith(("dpbench/sweep", "dpbench/run", "tools"))]
+    assert not packers, f"a setting's gin key named where trials are packed: {packers}"
+    graph = {name: _imports(path, _modules()) for name, path in _modules().items()}
+    assert "dpbench.run.trials" in graph["dpbench.main"]
+    assert "dpbench.run.launch" in graph["dpbench.sweep.jobs"]

@@ -524,7 +524,7 @@ def test_a_users_protocol_never_publishes_into_the_committed_board_by_default(tm
 
 
 def test_a_published_or_finished_trial_is_never_trained_again(tmp_path):
-    """run_job on a trial whose record is published returns it untouched; one that finished
+    """run_pack of one trial whose record is published returns it untouched; one that finished
     under --runs_dir but was not published is published from there. Neither launches a run
     (the launch log stays empty: a real launch would write it before training)."""
     job = dict(records=str(tmp_path / "records"), runs_dir=str(tmp_path / "runs"),
@@ -534,12 +534,12 @@ def test_a_published_or_finished_trial_is_never_trained_again(tmp_path):
     target.mkdir(parents=True)
     published = json.dumps({"validation_accuracy": 0.5, "note": "published"}).encode()
     (target / "run_record.json").write_bytes(published)
-    assert sweep.run_job(job) == dict(validation_accuracy=0.5, diverged=False)
+    assert sweep.run_pack([job]) == dict(trials=1, validation_accuracy=0.5, diverged=0)
     assert (target / "run_record.json").read_bytes() == published
     finished = tmp_path / "runs" / GROUP / "dpsgd-t2-seed0"
     finished.mkdir(parents=True)
     (finished / "run_record.json").write_text(json.dumps({"validation_accuracy": 0.7}))
-    assert sweep.run_job(dict(job, trial=2))["validation_accuracy"] == 0.7
+    assert sweep.run_pack([dict(job, trial=2)])["validation_accuracy"] == 0.7
     assert (tmp_path / "records" / GROUP / "dpsgd-t2-seed0" / "run_record.json").read_text() \
         == (finished / "run_record.json").read_text()
     assert not (tmp_path / "runs" / sweep.LAUNCH_LOG).exists()
@@ -567,12 +567,12 @@ class _HalfThenFail:
         return self._f.__exit__(*exc)
 
 
-@pytest.mark.parametrize("path", ["finished before a restart", "just finished",
+@pytest.mark.parametrize("path", ["finished before a restart", "a pack of one just finished",
                                   "a pack just finished"])
 def test_a_publish_that_fails_half_way_leaves_no_record(path, tmp_path, monkeypatch):
-    """run_job (and run_pack) publishing a finished run's record, on each of its paths (the run
-    finished before the sweep restarted; the run it just launched finished; the group process
-    of a pack finished it), its write failing after
+    """run_pack publishing a finished run's record, on each of its paths (the run finished
+    before the sweep restarted; the process it just launched for it alone finished it; the
+    process of a larger pack finished it), its write failing after
     half the bytes (whatever file API publishing uses: builtins.open or os.fdopen): no record
     is under the records folder afterwards, partial or whole, so a resumed sweep or the board
     never reads a half-written record as a finished trial; the next call publishes it whole."""
@@ -586,12 +586,18 @@ def test_a_publish_that_fails_half_way_leaves_no_record(path, tmp_path, monkeypa
     if path == "finished before a restart":
         (finished / "run_record.json").write_text(whole)
     else:  # the launched run (a stand-in for the dpbench command) writes its record and ends
+        from tests.test_sweep_jobs import Ended
+
         def launched(command, **kwargs):
             (finished / "run_record.json").write_text(whole)
-            return subprocess.CompletedProcess(command, 0)
-        monkeypatch.setattr(subprocess, "run", launched)
-    publish = sweep.run_pack if path == "a pack just finished" else sweep.run_job
-    job = [job] if path == "a pack just finished" else job
+            return Ended(0)
+        monkeypatch.setattr(subprocess, "Popen", launched)
+    publish = sweep.run_pack
+    job = [job, dict(job, trial=9)] if path == "a pack just finished" else [job]
+    if len(job) == 2:  # the other trial of the pack was published before
+        other = tmp_path / "records" / GROUP / "dpsgd-t9-seed0"
+        other.mkdir(parents=True)
+        (other / "run_record.json").write_text(json.dumps({"validation_accuracy": 0.1}))
     records = tmp_path / "records"
     real_open, real_fdopen = builtins.open, os.fdopen
 
@@ -608,7 +614,8 @@ def test_a_publish_that_fails_half_way_leaves_no_record(path, tmp_path, monkeypa
         publish(job)
     monkeypatch.setattr(builtins, "open", real_open)
     monkeypatch.setattr(os, "fdopen", real_fdopen)
-    left = [p for p in records.rglob("*") if p.is_file()] if records.exists() else []
+    left = [p for p in records.rglob("*") if p.is_file() and "-t9-" not in str(p)] \
+        if records.exists() else []
     assert left == [], left  # neither the record nor a temporary file
     assert publish(job)["validation_accuracy"] == 0.7  # the next call publishes it whole
     assert (records / GROUP / "dpsgd-t1-seed0" / "run_record.json").read_text() == whole
@@ -656,7 +663,7 @@ def _secret_search(root, protocol, seed_log, grouped=False) -> tuple:
     env = dict(os.environ, DPBENCH_TEST_SEED_LOG=str(seed_log),
                PYTHONPATH=os.pathsep.join([str(hook), os.environ.get("PYTHONPATH", "")]))
     jobs = sweep._jobs(plans, "search", inside)
-    for work in ([("run_pack", jobs)] if grouped else [("run_job", job) for job in jobs]):
+    for work in ([("run_pack", jobs)] if grouped else [("run_pack", [job]) for job in jobs]):
         done = run_guarded([sys.executable, "-c", "import json, sys; from dpbench import sweep; "
                             f"sweep.{work[0]}(json.loads(sys.argv[1]))", json.dumps(work[1])],
                            cwd=config.REPO_ROOT, env=env)

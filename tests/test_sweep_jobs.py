@@ -30,7 +30,7 @@ def test_packs_hold_one_method_and_group_each_fill_the_workers_and_keep_the_cap(
     name = lambda j: f"{j['group']}/{j['method']}-t{j['trial']}"  # noqa: E731
     spread = -(-workers // (2 * len(trials)))
     for cap in (0, 1, int(rng.integers(2, 6))):
-        packs = sweep_jobs.pack_jobs(jobs, cap, workers)
+        packs = sweep_jobs.pack_jobs(jobs, cap, workers, defaults={})
         assert sorted(name(j) for p in packs for j in p) == sorted(map(name, jobs))  # each once
         assert [name(j) for p in packs for j in p] == list(map(name, jobs))  # in order
         for group in GROUPS:
@@ -44,10 +44,13 @@ def test_packs_hold_one_method_and_group_each_fill_the_workers_and_keep_the_cap(
 
 
 def _launched(tmp_path, finished=(), diverged=()):
-    """A stand-in for the group process: writes a run record into the workdirs of the jobs
-    ``finished`` names, and its outcomes file (the ``diverged`` ones with a message)."""
+    """A stand-in for ``dpbench train --trials=... --outcomes=...``: writes a run record into
+    the workdirs of the jobs ``finished`` names, and its outcomes file (the ``diverged`` ones
+    with a message)."""
     def run(command, **kwargs):
-        spec, outcomes = json.loads(open(command[-2]).read()), []
+        flags = dict(a.split("=", 1) for a in command if a.startswith("--"))
+        assert command[-4:-2] == ["dpbench.main", "train"], command
+        spec, outcomes = json.loads(open(flags["--trials"]).read()), []
         for trial in spec:
             name = trial["workdir"].rsplit("/", 1)[-1]
             if name in finished:
@@ -58,10 +61,20 @@ def _launched(tmp_path, finished=(), diverged=()):
                                  outcome="diverged" if name in diverged else "finished",
                                  message="training diverged at step 3" if name in diverged
                                  else None))
-        with open(command[-1], "w") as f:
+        with open(flags["--outcomes"], "w") as f:
             json.dump(outcomes, f)
-        return subprocess.CompletedProcess(command, 0 if not diverged else 1)
+        return Ended(1 if diverged else 0)
     return run
+
+
+class Ended:
+    """A stand-in for a process that has ended (what ``subprocess.Popen`` gives, waited on)."""
+
+    def __init__(self, code: int):
+        self.code = code
+
+    def wait(self) -> int:
+        return self.code
 
 
 def test_a_pack_publishes_its_finished_and_diverged_trials_and_names_the_rest(tmp_path,
@@ -74,7 +87,7 @@ def test_a_pack_publishes_its_finished_and_diverged_trials_and_names_the_rest(tm
     done = tmp_path / "records" / GROUPS[0] / "dpsgd-t0-seed0"
     done.mkdir(parents=True)
     (done / "run_record.json").write_text(json.dumps({"validation_accuracy": 0.5}))
-    monkeypatch.setattr(subprocess, "run", _launched(tmp_path, finished=("dpsgd-t1-seed0",),
+    monkeypatch.setattr(subprocess, "Popen", _launched(tmp_path, finished=("dpsgd-t1-seed0",),
                                                      diverged=("dpsgd-t2-seed0",)))
     with pytest.raises(RuntimeError, match=r"dpsgd-t3-seed0 failed \(exit 1\)") as failed:
         sweep_jobs.run_pack(jobs)
@@ -86,7 +99,7 @@ def test_a_pack_publishes_its_finished_and_diverged_trials_and_names_the_rest(tm
     assert not (records / "dpsgd-t3-seed0").exists()
     launched = (tmp_path / "runs" / sweep_jobs.LAUNCH_LOG).read_text().split()
     assert launched == [f"{GROUPS[0]}/dpsgd-t{t}-seed0" for t in (1, 2, 3)]
-    monkeypatch.setattr(subprocess, "run", _launched(tmp_path, finished=("dpsgd-t3-seed0",)))
+    monkeypatch.setattr(subprocess, "Popen", _launched(tmp_path, finished=("dpsgd-t3-seed0",)))
     result = sweep_jobs.run_pack(jobs)
     assert result == dict(trials=4, diverged=1, validation_accuracy=0.6)
     launched = (tmp_path / "runs" / sweep_jobs.LAUNCH_LOG).read_text().split()

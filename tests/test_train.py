@@ -47,7 +47,7 @@ def _split(labels):
 
 
 def check_best_step_follows_validation(workdir):
-    """Runs the train loop's evaluation (train._maybe_evaluate, as train_steps calls it) over
+    """Runs the train loop's evaluation (train._maybe_evaluate, as every trial's steps call it) over
     three steps whose 'model' predicts one class: validation prefers step 2, test step 1. The
     best step, its params and the logged accuracies (what the run record reports) must be
     validation's, and of the evaluation params (``CompiledPipeline.evaluation_params``)."""
@@ -57,15 +57,17 @@ def check_best_step_follows_validation(workdir):
     run = SimpleNamespace(dataset=SimpleNamespace(validation=validation, test=test),
                           steps_per_epoch=1.0,
                           compiled=SimpleNamespace(evaluation_params=lambda s: s.ema_params))
-    loop = train._Loop(run=run, config=config.TrainConfig(eval_every_steps=1), workdir=workdir,
-                       ckpts=None, settings={}, wall_start=0.0,
-                       eval_fn=lambda params, x, y: int(np.sum(y == params["predicts"])))
     progress = run_lib.Progress(best={"validation_accuracy": -1.0, "step": 0, "params": None})
+    started = SimpleNamespace(progress=progress, end_step=3)
+    member = train.Member(run=run, config=config.TrainConfig(eval_every_steps=1),
+                          workdir=workdir, started=started, start_step=0, verified={},
+                          eval_fn=lambda params, x, y: int(np.sum(y == params["predicts"])),
+                          wall_start=0.0)
     predicted = {1: 1, 2: 0, 3: 2}  # step -> the class its model predicts
     for step, label in predicted.items():
         state = SimpleNamespace(params={"predicts": np.asarray(9)},
                                 ema_params={"predicts": np.asarray(label)})
-        train._maybe_evaluate(loop, lambda: state, progress, step, end_step=3)
+        train._maybe_evaluate(member, lambda: state, step)
     logged = [row["validation_accuracy"] for row in records.read_metrics(workdir)]
     assert logged == [2 / 6, 3 / 6, 1 / 6], f"the selection scores are not validation's: {logged}"
     assert progress.best["step"] == 2, f"best step {progress.best['step']}, validation's is 2"

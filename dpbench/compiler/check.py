@@ -41,13 +41,14 @@ import numpy as np
 import optax
 from dp_accounting import dp_event
 
-from dpbench import accounting, models, records, sampling, stages
+from dpbench import accounting, models, sampling, stages
 from dpbench.compiler import check_correlation
 from dpbench.compiler.facts import RunInputs
 from dpbench.compiler.pipeline import compile_pipeline
 from dpbench.compiler.rules import sampler_parts
 from dpbench.models import losses
 from dpbench.stages.base import Kind as K
+from dpbench.compiler.sources import stage_sources
 
 SHAPE, CLASSES, N, BATCH, MICRO = (8, 8, 1), 4, 32, 8, 8
 CHECKS = ("jit", "bound", "state", "mask", "layer_clip", "elementwise", "correlation")
@@ -355,18 +356,6 @@ def verify_stage(stage: stages.Stage) -> list:
         ("mask", check_mask_declaration(h)), ("layer_clip", check_layer_clip(h)),
         ("elementwise", check_elementwise_declaration(h)),
         ("correlation", check_correlation_declaration(h))) if ran]
-
-
-def stage_sources(stage_names) -> list:
-    """Provenance of every stage of a run that is not one of dpbench's own: its registered
-    name, the module that defines it, that module's file and the file's sha256 (a user's stage
-    lives outside the repo, so the git commit does not pin it)."""
-    out = []
-    for name in dict.fromkeys(stage_names):
-        source = records.outside_source(stages.base.registered_stage(name))
-        if source is not None:
-            out.append(dict(stage=name, **source))
-    return out
 
 
 def unverified_stages(stage_list) -> list:

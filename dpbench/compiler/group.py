@@ -107,11 +107,16 @@ def _walk(jaxpr, consts, path: tuple, numbers: dict) -> tuple:
 def trace(fn: Callable, *args) -> Traced:
     """``fn(*args)`` traced (nothing runs): its jaxpr, signature and numbers."""
     closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*args)
+    return traced_of(closed, jax.tree.structure(args), out_shape)
+
+
+def traced_of(closed, in_tree, out_shape) -> Traced:
+    """A program already traced (its ClosedJaxpr, the tree of its arguments, its output
+    shapes) as a :class:`Traced`: its signature and numbers."""
     numbers: dict = {}
     signature = _walk(closed.jaxpr, closed.consts, (), numbers)
-    return Traced(jaxpr=closed, in_tree=jax.tree.structure(args),
-                  out_tree=jax.tree.structure(out_shape), signature=signature,
-                  numbers=numbers)
+    return Traced(jaxpr=closed, in_tree=in_tree, out_tree=jax.tree.structure(out_shape),
+                  signature=signature, numbers=numbers)
 
 
 def _first_difference(a, b, where="step") -> str:

@@ -38,6 +38,9 @@ class CompiledPipeline:
     state_shapes: Any                  # shape-only TrainState (restore targets)
     lowered: Lowered                   # the unjitted functions (clipped_sum for tests/audits)
     host_seed: int = 0                 # seeds the stages' public host randomness (GIP)
+    # the step as traced once for its shape check: (ClosedJaxpr, the input tree, the output
+    # shapes), what a group of trials compares (compiler/group.traced_of) without a second trace
+    step_program: Any = None
 
     @property
     def stages(self) -> tuple:
@@ -190,8 +193,10 @@ def compile_pipeline(stages: Sequence[Stage] | ValidatedPipeline, inputs: RunInp
     key_shapes = jax.eval_shape(lambda: jax.random.key(0))
     state_shapes = jax.eval_shape(lowered.init_state, facts.get("param_shapes"), key_shapes,
                                   examples_only if needs_release else None)
-    # Shape and dtype errors surface here, before any device memory is allocated.
-    jax.eval_shape(lowered.step, state_shapes, batch_shapes)
+    # Shape and dtype errors surface here, before any device memory is allocated; the jaxpr
+    # traced for it is kept for grouping trials
+    closed, out_shapes = jax.make_jaxpr(lowered.step, return_shape=True)(state_shapes,
+                                                                         batch_shapes)
     replicated, batch_shard = sharding.replicated(mesh), sharding.batch_sharding(mesh)
     batch_sharding = {k: replicated if k == STAGE_INPUTS else batch_shard for k in batch_shapes}
     jitted = jax.jit(lowered.step, in_shardings=(replicated, batch_sharding),
@@ -206,4 +211,6 @@ def compile_pipeline(stages: Sequence[Stage] | ValidatedPipeline, inputs: RunInp
     return CompiledPipeline(plan=plan, accounting=acct, sampler=sampler,
                             micro_batch_size=micro_batch_size, micro_steps=micro_steps,
                             step=jitted, init_state=init_state, mesh=mesh,
-                            state_shapes=state_shapes, lowered=lowered, host_seed=host_seed)
+                            state_shapes=state_shapes, lowered=lowered, host_seed=host_seed,
+                            step_program=(closed, jax.tree.structure((state_shapes,
+                                                                      batch_shapes)), out_shapes))

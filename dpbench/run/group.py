@@ -1,15 +1,11 @@
-"""Trials as data: a group of trials trained by one compiled step (compiler/group.py).
+"""Trials as data, on the device: trials whose steps differ only in their numbers
+(compiler/group.py) packed into groups, each group's step compiled to fit the device's memory,
+and stepped by the one loop (run/loop.py) through :class:`Grouped`.
 
-``train_trials`` starts every trial as ``dpbench train`` would (its own gin configuration,
-workdir, checkpoints, resume, budget stop), packs the trials whose steps differ only in their
-numbers into groups, and trains each group with one step per step of all its trials, each
-trial doing after each of its steps exactly what it does alone (run/loop.TrialSteps). Each
-trial writes its own run record in the solo format, plus ``group``: how many trials shared
-its step, its place among them, and the batching.
-
-A trial past its planned steps takes no step (the group step leaves its state as it was) and
-is charged nothing: its ledger and record count the steps it took. A trial that diverges stops
-alone; the others go on.
+What trials may share a group is declared once, by their settings (``Settings.group_key``:
+the data, the model, the stage list and its structural facts, the batch and micro-batch, an
+EMA or none); the traced programs are the proof: trials the declaration puts together whose
+programs still differ are refused (:func:`pack`), naming the settings in which they differ.
 
 A group's size is the device's to decide: its step is compiled for all its trials and XLA's
 buffer plan for it (``memory_analysis``) must fit ``MEMORY_FRACTION`` of the device's free
@@ -23,40 +19,15 @@ import json
 import math
 import os
 import time
-from pathlib import Path
 from typing import Callable, NamedTuple, Optional, Sequence
 
-import gin
 import jax
 import jax.numpy as jnp
 import numpy as np
-from absl import app, logging
+from absl import logging
 
-from dpbench import config as config_lib
-from dpbench import records, sharding
+from dpbench import sharding
 from dpbench.compiler import group as group_lib
-from dpbench.run import interrupts
-from dpbench.run import loop as run_loop
-
-
-class Trial(NamedTuple):
-    """One trial: where it writes, and its configuration (gin files and bindings, as
-    ``dpbench train --gin_file ... --gin_bindings ...`` would take them)."""
-
-    workdir: Path
-    gin_files: tuple = ()
-    bindings: tuple = ()
-
-
-class _Started(NamedTuple):
-    trial: Trial
-    loop: object          # run/loop._Loop
-    started: object       # run/start.Started
-    start_step: int
-    verified: dict
-    operative_config: str
-    idle_batch: dict      # a batch of the right shapes for the steps it does not take
-    traced: Optional[group_lib.Traced] = None
 
 
 MEMORY_FRACTION = 0.5  # of the device's free memory a group's step may plan for: the rest is
@@ -108,37 +79,59 @@ def _stack(trees):
     return jax.tree.map(lambda *leaves: jnp.stack(leaves), *trees)
 
 
-def _stack_on_host(trees):
+def stack_on_host(trees):
     return jax.tree.map(lambda *leaves: np.stack(leaves), *trees)
 
 
-def _start(trial: Trial, overwrite: bool) -> _Started:
-    config_lib.parse_config(list(trial.gin_files), list(trial.bindings))
-    config = config_lib.TrainConfig()
-    loop, started, start_step, verified = run_loop.begin(
-        Path(trial.workdir), config, overwrite, time.time(),
-        label=f"[{Path(trial.workdir).name}] ")
-    run = started.run
-    return _Started(trial, loop, started, start_step, verified, gin.operative_config_str(),
-                    run.host_batch(start_step))
+def declared_key(member) -> str:
+    """The settings a trial shares with every trial of its group (``Settings.group_key``),
+    as one comparable value."""
+    return json.dumps(member.started.settings.group_key(), sort_keys=True)
 
 
-def _traced(member: _Started) -> _Started:
-    run = member.loop.run
-    return member._replace(traced=group_lib.trace(run.compiled.lowered.step,
-                                                  member.started.state, member.idle_batch))
+def differing_settings(members: Sequence) -> list:
+    """The settings (by their record names; a stage's fact as ``stages.<stage>.<fact>``) whose
+    values differ between ``members``: each trial's own numbers when they share a group."""
+    flat = [_flat_settings(m.started.settings.as_json()) for m in members]
+    names = sorted(set().union(*flat))
+    return [n for n in names if any(f.get(n) != flat[0].get(n) for f in flat[1:])]
 
 
-def pack(traced: Sequence[group_lib.Traced], max_size: Optional[int] = None) -> list:
+def _flat_settings(settings: dict) -> dict:
+    out = {k: v for k, v in settings.items() if k != "stages"}
+    for stage in settings["stages"]:
+        out.update({f"stages.{stage['name']}.{k}": v for k, v in stage.items() if k != "name"})
+    return out
+
+
+def pack(traced: Sequence[group_lib.Traced], max_size: Optional[int] = None,
+         declared: Optional[Sequence] = None, settings_of: Optional[Callable] = None) -> list:
     """The trials (by index) in groups: equal programs up to their numbers, in input order,
-    at most ``max_size`` trials a group."""
-    by_program: dict = {}
-    for i, t in enumerate(traced):
-        by_program.setdefault((t.signature, t.in_tree, t.out_tree), []).append(i)
+    at most ``max_size`` trials a group. Given ``declared`` (each trial's declared key), the
+    trials are first packed by it and the programs are its proof: two trials it puts together
+    whose programs differ are refused (NotGroupable), naming how the first of them differs
+    (``settings_of(indices)``: the settings in which those trials differ)."""
+    declared = [0] * len(traced) if declared is None else list(declared)
+    by_key: dict = {}
+    for i, key in enumerate(declared):
+        by_key.setdefault(key, []).append(i)
     groups = []
-    for members in by_program.values():
-        size = max_size or len(members)
-        groups += [members[k:k + size] for k in range(0, len(members), size)]
+    for members in by_key.values():
+        by_program: dict = {}
+        for i in members:
+            t = traced[i]
+            by_program.setdefault((t.signature, t.in_tree, t.out_tree), []).append(i)
+        if declared[members[0]] != 0 and len(by_program) > 1:
+            firsts = [v[0] for v in by_program.values()]
+            named = settings_of(firsts[:2]) if settings_of else []
+            raise group_lib.NotGroupable(
+                f"trials {firsts[0]} and {firsts[1]} share every setting a group declares "
+                f"(Settings.group_key) yet compile to different programs; they differ in "
+                f"{', '.join(named) or 'no recorded setting'}: declare the one that is "
+                "structure in SHARED_BY_A_GROUP (run/settings.py)")
+        for ids in by_program.values():
+            size = max_size or len(ids)
+            groups += [ids[k:k + size] for k in range(0, len(ids), size)]
     return groups
 
 
@@ -159,11 +152,13 @@ class _Counts:
 
 
 class _Compiled(NamedTuple):
-    members: list        # _Started
+    members: list        # run/loop.Member
+    traced: list         # each member's group_lib.Traced
     step: Optional[group_lib.GroupStep] = None   # None: a trial alone
     executable: object = None
     planned: int = 0
     data: object = None  # the training split whose examples the device gathers (or None)
+    idle: list = None    # each trial's batch for the steps it does not take
 
 
 GATHERS = ("device", "host")
@@ -180,14 +175,13 @@ def default_gather() -> str:
 def _shared_training_data(members: list):
     """The members' training images and labels when every member trains on the same arrays
     (the in-process dataset cache makes equal datasets one object), else None."""
-    trains = {id(m.loop.run.dataset.train.images) for m in members}
-    return members[0].loop.run.dataset.train if len(trains) == 1 else None
+    trains = {id(m.run.dataset.train.images) for m in members}
+    return members[0].run.dataset.train if len(trains) == 1 else None
 
 
-def _drawn(member, step: int) -> dict:
-    """``member``'s batch for ``step`` as the host draws it: the sampler's indices and mask
-    laid out in micro-batches (and the stages' host randomness), without the examples."""
-    run = member.loop.run
+def drawn_batch(run, step: int) -> dict:
+    """``run``'s batch for ``step`` as the host draws it: the sampler's indices and mask laid
+    out in micro-batches (and the stages' host randomness), without the examples."""
     compiled = run.compiled
     drawn = run.sampler.sample(step)
     shape = (compiled.micro_steps, compiled.micro_batch_size)
@@ -199,7 +193,7 @@ def _drawn(member, step: int) -> dict:
     return out
 
 
-def _gathering(step: Callable) -> Callable:
+def gathering(step: Callable) -> Callable:
     """The group step on drawn batches: each trial's examples gathered on the device from the
     training data (the same values the host would gather: a gather is exact)."""
     def gathered(knobs, ends, states, drawn, images, labels):
@@ -214,178 +208,80 @@ def _stacked_shapes(trees):
                         *trees)
 
 
-def _compile_group(members: list, batching: Optional[str], gather: str = "host") -> _Compiled:
-    step = group_lib.group_step([m.traced for m in members], batching=batching)
+def _compile_group(members: list, traced: list, batching: Optional[str],
+                   gather: str = "host") -> _Compiled:
+    step = group_lib.group_step(traced, batching=batching)
     ends = jax.ShapeDtypeStruct((len(members),), jnp.int32)
     states = _stacked_shapes([m.started.state for m in members])
     data = _shared_training_data(members) if gather == "device" else None
+    idle = [drawn_batch(m.run, m.start_step) if data is not None else m.run.host_batch(m.start_step)
+            for m in members]  # a batch of the right shapes for the steps a trial does not take
     if data is None:  # trials on different data: the host gathers each trial's examples
         executable = jax.jit(step.step, donate_argnums=(2,)).lower(
-            step.knobs, ends, states, _stacked_shapes([m.idle_batch for m in members]))
+            step.knobs, ends, states, _stacked_shapes(idle))
     else:
-        drawn = _stack_on_host([_drawn(m, m.start_step) for m in members])
-        executable = jax.jit(_gathering(step.step), donate_argnums=(2,)).lower(
-            step.knobs, ends, states, drawn, data.images, data.labels)
+        executable = jax.jit(gathering(step.step), donate_argnums=(2,)).lower(
+            step.knobs, ends, states, stack_on_host(idle), data.images, data.labels)
     executable = executable.compile()
-    return _Compiled(members, step, executable, planned_bytes(executable), data)
+    return _Compiled(members, traced, step, executable, planned_bytes(executable), data, idle)
 
 
-def fitting_groups(members: list, batching: Optional[str], budget: int,
+def fitting_groups(members: list, traced: list, batching: Optional[str], budget: int,
                    gather: str = "host") -> list:
-    """``members`` compiled as one group step, halved until each part's buffer plan fits
-    ``budget`` bytes; a part of one trial is left alone (the solo loop). ``gather``: where
-    the examples are gathered ('device' only for trials on the same data)."""
+    """``members`` (their steps ``traced``) compiled as one group step, halved until each
+    part's buffer plan fits ``budget`` bytes; a part of one trial is left alone (its own step).
+    ``gather``: where the examples are gathered ('device' only for trials on the same data)."""
     if len(members) == 1:
-        return [_Compiled(members)]
-    compiled = _compile_group(members, batching, gather)
+        return [_Compiled(members, traced)]
+    compiled = _compile_group(members, traced, batching, gather)
     if compiled.planned <= budget:
         return [compiled]
     logging.info("a group of %d trials plans %.3g GB, over its budget of %.3g GB: halved",
                  len(members), compiled.planned / 1e9, budget / 1e9)
     half = math.ceil(len(members) / 2)
-    return (fitting_groups(members[:half], batching, budget, gather)
-            + fitting_groups(members[half:], batching, budget, gather))
+    return (fitting_groups(members[:half], traced[:half], batching, budget, gather)
+            + fitting_groups(members[half:], traced[half:], batching, budget, gather))
 
 
-def _train_group(group: _Compiled, budget: int) -> list:
-    """Trains one group to the end of its last trial; returns each trial's record or the
-    TrainingDiverged that stopped it."""
-    members, step, jitted = group.members, group.step, group.executable
-    knobs = jax.device_put(step.knobs)
-    shared = members[0].loop.eval_fn  # one model: one compiled evaluation for the group
-    members = [m._replace(loop=m.loop._replace(eval_fn=shared)) for m in members]
-    states = _stack([m.started.state for m in members])
-    ends = np.array([m.started.end_step for m in members], np.int32)
-    at = [m.start_step for m in members]
-    counts = _Counts(len(members))
-    data = group.data
-    on_device = () if data is None else (jax.device_put(data.images),
-                                         jax.device_put(data.labels))
-    idle = [_drawn(m, m.start_step) if data is not None else m.idle_batch for m in members]
-    sides = [run_loop.TrialSteps(m.loop, m.started.progress, m.start_step,
-                                  m.started.end_step, notes=(i == 0),
-                                  take_nonfinite=lambda i=i: counts.take(i))
-             for i, m in enumerate(members)]
-    outcomes: list = [None] * len(members)
-    logging.info("a group of %d trials (%s), %d knobs, steps %d..%d", len(members),
-                 step.batching, len(step.knobs), min(at), int(ends.max()))
-    host_s, group_steps, t_start = 0.0, 0, time.time()
-    with interrupts.between_steps() as ctrl_c:
-        while any(a < e for a, e in zip(at, ends)):
-            t0 = time.time()
-            if data is None:
-                batch = _stack([m.loop.run.host_batch(a) if a < e else i
-                                for m, a, e, i in zip(members, at, ends, idle)])
-            else:  # indices only: the examples are gathered on the device
-                batch = _stack_on_host([_drawn(m, a) if a < e else i
-                                        for m, a, e, i in zip(members, at, ends, idle)])
-            host_s += time.time() - t0
-            states, metrics = jitted(knobs, ends, states, batch, *on_device)
-            # one sum for the group (a finished trial's rows are masked out); a trial's metrics
-            # are sliced only when one of its actions reads them
-            counts.add(jnp.where(jnp.asarray(np.array(at) < ends),
-                                 metrics["nonfinite_examples"], 0.0))
-            group_steps += 1
-            for i, m in enumerate(members):
-                if at[i] >= ends[i]:
-                    continue
-                at[i] += 1
-                try:
-                    sides[i].after_step(lambda i=i: jax.tree.map(lambda x: x[i], states),
-                                        lambda i=i: jax.tree.map(lambda x: x[i], metrics), at[i])
-                except run_loop.TrainingDiverged as e:  # this trial stops; the others go on
-                    logging.warning("%s%s", m.loop.label, e)
-                    outcomes[i], ends[i] = e, at[i]
-                    m.loop.ckpts.close()
-            ctrl_c.check()
-    jax.block_until_ready(states)
-    info = dict(size=len(members), batching=step.batching, knobs=len(step.knobs),
-                group_steps=group_steps, loop_s=time.time() - t_start, host_batch_s=host_s,
-                planned_bytes=group.planned, budget_bytes=budget,
-                batches="gathered on the device" if data is not None else "gathered on the host")
-    logging.info("the group's %d steps took %.1f s, %.1f s of it drawing and placing batches",
-                 group_steps, info["loop_s"], host_s)
-    for i, m in enumerate(members):
-        if outcomes[i] is None:
-            outcomes[i] = run_loop.finish(
-                m.loop, m.started, jax.tree.map(lambda x: x[i], states), m.started.progress,
-                m.start_step, list(m.trial.gin_files), m.verified, m.operative_config,
-                group=dict(info, index=i))
-    return outcomes
+class Grouped:
+    """A compiled group's side of the loop (run/loop.Stepping): one call of its executable
+    steps every trial (a trial past its end is left as it was); each trial's examples gathered by the host, or on
+    the device from the one training split they share."""
 
+    def __init__(self, group: _Compiled):
+        self.group, self.jitted = group, group.executable
+        self.knobs = jax.device_put(group.step.knobs)
+        self.states = _stack([m.started.state for m in group.members])
+        self.metrics = None
+        self.counts = _Counts(len(group.members))
+        data = group.data
+        self.on_device = () if data is None else (jax.device_put(data.images),
+                                                  jax.device_put(data.labels))
+        self.host_s, self.steps = 0.0, 0
 
-def _train_alone(member: _Started):
-    """A trial with no group: the solo loop, its record marked as a group of one."""
-    loop, started = member.loop, member.started
-    try:
-        state = run_loop.train_steps(loop, started.state, started.progress, member.start_step,
-                                     started.end_step)
-    except run_loop.TrainingDiverged as e:
-        logging.warning("%s%s", loop.label, e)
-        loop.ckpts.close()
-        return e
-    return run_loop.finish(loop, started, state, started.progress, member.start_step,
-                           list(member.trial.gin_files), member.verified,
-                           member.operative_config, group=dict(size=1, index=0, batching=None))
+    def step(self, at: list, ends) -> None:
+        t0, members, idle = time.time(), self.group.members, self.group.idle
+        if self.group.data is None:
+            batch = _stack([m.run.host_batch(a) if a < e else i
+                            for m, a, e, i in zip(members, at, ends, idle)])
+        else:  # indices only: the examples are gathered on the device
+            batch = stack_on_host([drawn_batch(m.run, a) if a < e else i
+                                    for m, a, e, i in zip(members, at, ends, idle)])
+        self.host_s += time.time() - t0
+        ends = np.asarray(ends, np.int32)
+        self.states, self.metrics = self.jitted(self.knobs, ends, self.states, batch,
+                                                *self.on_device)
+        # one sum for the group (a finished trial's rows are masked out); a trial's metrics
+        # are sliced only when one of its actions reads them
+        self.counts.add(jnp.where(jnp.asarray(np.asarray(at) < ends),
+                                  self.metrics["nonfinite_examples"], 0.0))
+        self.steps += 1
 
+    def state_of(self, i: int):
+        return jax.tree.map(lambda x: x[i], self.states)
 
-def train_trials(trials: Sequence[Trial], overwrite: bool = False,
-                 max_group_size: Optional[int] = None, batching: Optional[str] = None,
-                 memory_budget: Optional[int] = None, gather: Optional[str] = None) -> list:
-    """Trains ``trials`` in groups (each group one compiled step); returns, per trial in
-    order, its run record or the TrainingDiverged that stopped it. Each trial's workdir holds
-    what ``dpbench train`` would leave there (resumed from its own checkpoints when it has
-    some). ``max_group_size`` caps a group; ``memory_budget`` (bytes; default
-    :func:`device_memory_budget`) caps its compiled step's buffer plan; ``batching``:
-    compiler/group.default_batching; ``gather``: where a group's examples are gathered
-    (:func:`default_gather`; 'device' applies to trials on the same data)."""
-    gather = default_gather() if gather is None else gather
-    if gather not in GATHERS:
-        raise ValueError(f"gather must be one of {GATHERS}, got {gather!r}")
-    outcomes: list = [None] * len(trials)
-    todo = []
-    for i, trial in enumerate(trials):
-        finished = Path(trial.workdir) / records.RECORD_NAME
-        if finished.exists() and not overwrite:  # finished before a restart: never rerun
-            outcomes[i] = json.loads(finished.read_text())
-        else:
-            todo.append(i)
-    started = {i: _start(trials[i], overwrite) for i in todo}
-    if len(todo) == 1:  # alone: the solo loop, no trace (a group of one costs what a run does)
-        (i,) = todo
-        outcomes[i] = _train_alone(started[i])
-        return outcomes
-    started = {i: _traced(s) for i, s in started.items()}
-    budget = device_memory_budget() if memory_budget is None else memory_budget
-    for members in pack([started[i].traced for i in todo], max_group_size):
-        indices = [todo[k] for k in members]
-        by_trial = {id(started[i]): i for i in indices}
-        for group in fitting_groups([started[i] for i in indices], batching, budget, gather):
-            results = ([_train_alone(group.members[0])] if group.step is None
-                       else _train_group(group, budget))
-            for member, result in zip(group.members, results):
-                outcomes[by_trial[id(member)]] = result
-    return outcomes
+    def metrics_of(self, i: int):
+        return jax.tree.map(lambda x: x[i], self.metrics)
 
-
-def main(argv: Sequence[str]) -> None:
-    """``python -m dpbench.run.group TRIALS.json [OUTCOMES.json]``: the trials of a JSON list
-    of {workdir, gin_files, bindings} trained in groups (what a sweep's worker runs); each
-    trial's outcome ('finished' or 'diverged', with the divergence's message) is printed and,
-    when OUTCOMES.json is given, written there atomically once every trial has one."""
-    spec = json.loads(Path(argv[1]).read_text())
-    trials = [Trial(Path(t["workdir"]), tuple(t.get("gin_files", ())),
-                    tuple(t.get("bindings", ()))) for t in spec]
-    outcomes = []
-    for trial, outcome in zip(trials, train_trials(trials)):
-        diverged = isinstance(outcome, Exception)
-        outcomes.append(dict(workdir=str(trial.workdir),
-                             outcome="diverged" if diverged else "finished",
-                             message=str(outcome) if diverged else None))
-        print(f"{trial.workdir}: {outcomes[-1]['outcome']}", flush=True)
-    if len(argv) > 2:
-        records.atomic_write_text(Path(argv[2]), json.dumps(outcomes, indent=1) + "\n")
-
-
-if __name__ == "__main__":
-    app.run(main)
+    def take_nonfinite(self, i: int) -> float:
+        return self.counts.take(i)

@@ -1,5 +1,7 @@
-"""The one train loop: data -> sampler -> compiled step -> evaluation -> checkpoints -> run
-record (``train``, what ``dpbench train`` and ``api.train`` call)."""
+"""The one train loop: one compiled step for every trial it trains, then each trial's periodic
+actions (``train_members``; a solo run is a group of one, run/trials.py). A trial enters it as a
+:class:`Member` (run/trials.begin) and leaves it through ``finish`` (its test accuracy and run
+record)."""
 
 from __future__ import annotations
 
@@ -9,20 +11,13 @@ import time
 from pathlib import Path
 from typing import Any, Callable, NamedTuple, Optional, Sequence
 
-import gin
 import jax
 import jax.numpy as jnp
 from absl import logging
 
 from dpbench import accounting, checkpoint, data, records
-from dpbench.compiler import check as stage_check
-from dpbench.compiler.rules import validate_pipeline
-from dpbench.config import TrainConfig, pipeline_stages
 from dpbench.run import interrupts
 from dpbench.run import record as run_record
-from dpbench.run.build import Run
-from dpbench.run.settings import Settings
-from dpbench.run.start import Progress, start as start_run
 
 
 def _evaluate(apply_fn, params, split: data.Split, batch_size: int) -> float:
@@ -43,8 +38,15 @@ def _params_finite(params) -> bool:
         [jnp.all(jnp.isfinite(leaf)) for leaf in jax.tree.leaves(params)]))))
 
 
-def save_checkpoint(ckpts, compiled, state, progress: Progress, settings: Settings, done: int,
-                    epsilon: float, key_saved: bool) -> None:
+def is_due(done: int, every: int, end_step: Optional[int] = None) -> bool:
+    """Whether a periodic action runs after step ``done``: every ``every`` steps (never when
+    ``every`` is 0) and, given ``end_step``, after the last. The one rule of every periodic
+    action (evaluation, log line, checkpoint, fidelity)."""
+    return done == end_step or (every > 0 and done % every == 0)
+
+
+def save_checkpoint(ckpts, compiled, state, progress, settings, done: int, epsilon: float,
+                    key_saved: bool) -> None:
     """The state, the best params and the privacy ledger (the settings, the epsilon spent after
     ``done`` steps, its DpEvent, and the loop's progress) as one checkpoint."""
     ledger = dict(
@@ -59,17 +61,33 @@ def save_checkpoint(ckpts, compiled, state, progress: Progress, settings: Settin
     progress.last_saved = done
 
 
-class _Loop(NamedTuple):
-    """The loop's fixed context (see :func:`train_steps`)."""
+class Member(NamedTuple):
+    """One trial at its first step: everything the loop and its end read of it (the loop
+    imports none of the modules that build it: run/trials.begin makes it)."""
 
-    run: Run
-    config: TrainConfig
+    run: Any              # run/build.Run
+    config: Any           # config.TrainConfig
     workdir: Path
-    ckpts: Any
-    settings: Settings
+    started: Any          # run/start.Started: settings, checkpoints, state, progress, end step
+    start_step: int
+    verified: dict        # what an outside stage's declaration passed
     eval_fn: Callable
     wall_start: float
-    label: str = ""  # the trial's name in a group's log lines ("" alone)
+    gin_files: tuple = ()
+    operative_config: str = ""
+    label: str = ""       # the trial's name in a group's log lines ("" alone)
+
+    @property
+    def ckpts(self):
+        return self.started.ckpts
+
+    @property
+    def progress(self):  # run/start.Progress
+        return self.started.progress
+
+    @property
+    def end_step(self) -> int:
+        return self.started.end_step
 
 
 def selection_accuracy(eval_fn, params, dataset: data.Dataset, batch_size: int) -> float:
@@ -79,35 +97,34 @@ def selection_accuracy(eval_fn, params, dataset: data.Dataset, batch_size: int) 
     return _evaluate(eval_fn, params, dataset.validation, batch_size)
 
 
-def _maybe_evaluate(loop: _Loop, state_of: Callable, progress: Progress, done: int,
-                    end_step: int) -> None:
+def _maybe_evaluate(member: Member, state_of: Callable, done: int) -> None:
     """Every eval interval and at the end: validation accuracy; the best params are kept."""
-    eval_every = loop.config.eval_every_steps or max(int(round(loop.run.steps_per_epoch)), 1)
-    if done % eval_every and done != end_step:
+    run, config, progress = member.run, member.config, member.progress
+    eval_every = config.eval_every_steps or max(int(round(run.steps_per_epoch)), 1)
+    if not is_due(done, eval_every, member.end_step):
         return
-    params = loop.run.compiled.evaluation_params(state_of())  # the debiased EMA if there is one
-    if not len(loop.run.dataset.validation):  # a refit: the last step's model is reported
-        if done == end_step:
+    params = run.compiled.evaluation_params(state_of())  # the debiased EMA if there is one
+    if not len(run.dataset.validation):  # a refit: the last step's model is reported
+        if done == member.end_step:
             progress.best = {"validation_accuracy": None, "step": done,
                              "params": checkpoint.to_host(params)}
         return
-    val_acc = selection_accuracy(loop.eval_fn, params, loop.run.dataset,
-                                 loop.config.eval_batch_size)
-    logging.info("%sstep %d  validation accuracy %.4f", loop.label, done, val_acc)
-    records.append_metrics(loop.workdir, dict(step=done, validation_accuracy=val_acc))
+    val_acc = selection_accuracy(member.eval_fn, params, run.dataset, config.eval_batch_size)
+    logging.info("%sstep %d  validation accuracy %.4f", member.label, done, val_acc)
+    records.append_metrics(member.workdir, dict(step=done, validation_accuracy=val_acc))
     if val_acc > progress.best["validation_accuracy"]:
         progress.best = {"validation_accuracy": val_acc, "step": done,
                          "params": checkpoint.to_host(params)}
 
 
-def _record_fidelity(loop: _Loop, metrics_of: Callable, progress: Progress, done: int) -> None:
-    every = loop.config.fidelity_every_steps
-    if every and done % every == 0:
-        metrics = metrics_of()
+def _record_fidelity(member: Member, metrics_of: Callable, done: int) -> None:
+    # not forced at the end: a diagnostic on its own grid
+    if is_due(done, member.config.fidelity_every_steps):
+        metrics, fidelity = metrics_of(), member.progress.fidelity
         row = {name: float(metrics[name]) for name in ("fidelity_cosine", "noise_to_signal")}
-        progress.fidelity["cosine"].append(row["fidelity_cosine"])
-        progress.fidelity["noise_to_signal"].append(row["noise_to_signal"])
-        records.append_metrics(loop.workdir, dict(step=done, **row))
+        fidelity["cosine"].append(row["fidelity_cosine"])
+        fidelity["noise_to_signal"].append(row["noise_to_signal"])
+        records.append_metrics(member.workdir, dict(step=done, **row))
 
 
 def _first_steps_note(state, done: int, start_step: int, end_step: int, times: list) -> None:
@@ -128,51 +145,37 @@ def _first_steps_note(state, done: int, start_step: int, end_step: int, times: l
 
 class TrialSteps:
     """One trial's side of the loop after each of its steps: fidelity, evaluation, and (at log
-    / checkpoint steps) the divergence check, the log line and the checkpoint. The solo loop
-    and the group loop (run/group.py) both drive it, so a trial in a group does after each
-    step exactly what it does alone. ``state_of()`` and ``metrics_of()`` give the trial's
-    state and metrics (a group slices them only when an action needs them). The non-finite
-    count is summed on the device between log lines: by this object from each step's metrics,
-    or, given ``take_nonfinite`` (a group's one sum for all its trials), read from there.
-    Plain modulo tests: a periodic-actions library (clu) would add a dependency for this."""
+    / checkpoint steps) the divergence check, the log line and the checkpoint. ``state_of()``
+    and ``metrics_of()`` give the trial's state and metrics (a group slices them only when an
+    action needs them); ``take_nonfinite()`` reads and zeroes the trial's non-finite example
+    count, summed on the device since its last log line."""
 
-    def __init__(self, loop: _Loop, progress: Progress, start_step: int, end_step: int,
-                 notes: bool = True, take_nonfinite: Optional[Callable] = None):
-        self.loop, self.progress, self.end_step = loop, progress, end_step
-        self.start_step = start_step
-        self.last_log_time, self.last_log_step = time.time(), start_step
+    def __init__(self, member: Member, take_nonfinite: Callable, notes: bool = True):
+        self.member, self.take_nonfinite = member, take_nonfinite
+        self.last_log_time, self.last_log_step = time.time(), member.start_step
         self.first_times = [self.last_log_time] if notes else None
-        self.nonfinite = jnp.zeros((), jnp.float32)
-        self.take_nonfinite = take_nonfinite
-
-    def _take_nonfinite(self) -> float:
-        if self.take_nonfinite is not None:
-            return self.take_nonfinite()
-        count, self.nonfinite = float(self.nonfinite), jnp.zeros((), jnp.float32)
-        return count
 
     def after_step(self, state_of: Callable, metrics_of: Callable, done: int) -> None:
-        loop, progress, end_step = self.loop, self.progress, self.end_step
-        config, compiled = loop.config, loop.run.compiled
-        if self.take_nonfinite is None:
-            self.nonfinite = self.nonfinite + metrics_of()["nonfinite_examples"]
+        member = self.member
+        config, compiled, progress = member.config, member.run.compiled, member.progress
+        end_step = member.end_step
         if self.first_times is not None:
-            _first_steps_note(state_of(), done, self.start_step, end_step, self.first_times)
-        _record_fidelity(loop, metrics_of, progress, done)
-        _maybe_evaluate(loop, state_of, progress, done, end_step)
-        log_now = done % config.log_every_steps == 0 or done == end_step
-        save_now = done % config.checkpoint_every_steps == 0 or done == end_step
+            _first_steps_note(state_of(), done, member.start_step, end_step, self.first_times)
+        _record_fidelity(member, metrics_of, done)
+        _maybe_evaluate(member, state_of, done)
+        log_now = is_due(done, config.log_every_steps, end_step)
+        save_now = is_due(done, config.checkpoint_every_steps, end_step)
         if not (log_now or save_now):
             return
         state, metrics = state_of(), metrics_of()
         jax.block_until_ready(state)
         now, loss = time.time(), float(metrics["train_loss"])
-        progress.nonfinite_total += self._take_nonfinite()
+        progress.nonfinite_total += self.take_nonfinite()
         if (not math.isfinite(loss) or bool(metrics["all_nonfinite"])
                 or (save_now and not _params_finite(state.params))):
             raise TrainingDiverged(
                 f"training diverged at step {done} (train loss {loss}); the last good "
-                f"checkpoint is step {progress.last_saved} in {loop.ckpts.directory}. Lower "
+                f"checkpoint is step {progress.last_saved} in {member.ckpts.directory}. Lower "
                 "optimize.optax.learning_rate and start a new --workdir")
         epsilon = compiled.epsilon_after(done)
         if log_now:
@@ -180,92 +183,109 @@ class TrialSteps:
             progress.interval_step_s.append(1.0 / rate)
             self.last_log_time, self.last_log_step = now, done
             logging.info("%sstep %d/%d  %.2f steps/s  epsilon spent %.4f  loss %.4f",
-                         loop.label, done, compiled.total_steps, rate, epsilon, loss)
-            records.append_metrics(loop.workdir, dict(
+                         member.label, done, compiled.total_steps, rate, epsilon, loss)
+            records.append_metrics(member.workdir, dict(
                 step=done, steps_per_s=rate, epsilon=epsilon, train_loss=loss,
-                nonfinite_examples=progress.nonfinite_total, wall_s=now - loop.wall_start))
+                nonfinite_examples=progress.nonfinite_total, wall_s=now - member.wall_start))
         if save_now:
-            save_checkpoint(loop.ckpts, compiled, state, progress, loop.settings, done,
-                             epsilon, key_saved=config.seed is not None)
+            save_checkpoint(member.ckpts, compiled, state, progress, member.started.settings,
+                            done, epsilon, key_saved=config.seed is not None)
 
 
-def train_steps(loop: _Loop, state, progress: Progress, start_step: int, end_step: int):
-    """Steps ``start_step .. end_step - 1``, each followed by the trial's periodic actions."""
-    run = loop.run
-    trial = TrialSteps(loop, progress, start_step, end_step)
+class Stepping:
+    """How the loop steps its members: ``step(at, ends)`` takes one compiled step of every
+    member whose ``at`` is before its end (the others are left as they were);
+    ``state_of(i)`` / ``metrics_of(i)`` give member i's state and last metrics;
+    ``take_nonfinite(i)`` reads and zeroes its non-finite count. A trial alone and a group
+    (run/group.py) each implement it."""
+
+    def step(self, at: list, ends) -> None:
+        raise NotImplementedError
+
+    def state_of(self, i: int):
+        raise NotImplementedError
+
+    def metrics_of(self, i: int):
+        raise NotImplementedError
+
+    def take_nonfinite(self, i: int) -> float:
+        raise NotImplementedError
+
+
+class Alone(Stepping):
+    """One trial on its own compiled step (no trace, no stacking: the cost of a run)."""
+
+    def __init__(self, member: Member):
+        self.run, self.state, self.metrics = member.run, member.started.state, None
+        self.nonfinite = jnp.zeros((), jnp.float32)
+
+    def step(self, at: list, ends) -> None:
+        self.state, self.metrics = self.run.compiled.step(self.state, self.run.host_batch(at[0]))
+        self.nonfinite = self.nonfinite + self.metrics["nonfinite_examples"]
+
+    def state_of(self, i: int):
+        return self.state
+
+    def metrics_of(self, i: int):
+        return self.metrics
+
+    def take_nonfinite(self, i: int) -> float:
+        count, self.nonfinite = float(self.nonfinite), jnp.zeros((), jnp.float32)
+        return count
+
+
+def train_members(members: Sequence[Member], stepping: Stepping) -> list:
+    """THE loop: steps every member from its start to its end step, one ``stepping.step`` for
+    all of them per step, each followed by every member's own periodic actions. A member that
+    diverges stops alone (its checkpoints closed; the others go on). Returns per member None
+    (trained to its end step) or the TrainingDiverged that stopped it."""
+    at = [m.start_step for m in members]
+    ends = [m.end_step for m in members]
+    sides = [TrialSteps(m, lambda i=i: stepping.take_nonfinite(i), notes=(i == 0))
+             for i, m in enumerate(members)]
+    outcomes: list = [None] * len(members)
     with interrupts.between_steps() as ctrl_c:
-        for step in range(start_step, end_step):
-            state, metrics = run.compiled.step(state, run.host_batch(step))
-            trial.after_step(lambda: state, lambda: metrics, step + 1)
+        while any(a < e for a, e in zip(at, ends)):
+            stepping.step(at, ends)
+            for i, member in enumerate(members):
+                if at[i] >= ends[i]:
+                    continue
+                at[i] += 1
+                try:
+                    sides[i].after_step(lambda i=i: stepping.state_of(i),
+                                        lambda i=i: stepping.metrics_of(i), at[i])
+                except TrainingDiverged as e:
+                    logging.warning("%s%s", member.label, e)
+                    outcomes[i], ends[i] = e, at[i]
+                    member.ckpts.close()
             ctrl_c.check()
-    return state
+    return outcomes
 
 
-def eval_fn_for(model) -> Callable:
-    """The jitted count of correct predictions of ``model`` on a batch (shared by the trials
-    of a group, whose model is one)."""
-    return jax.jit(lambda p, x, y: jnp.sum(jnp.argmax(model.apply(p, x), -1) == y))
-
-
-def begin(workdir: Path, config: TrainConfig, overwrite: bool, wall_start: float,
-          eval_fn: Optional[Callable] = None, label: str = ""):
-    """A configured trial (its gin parsed) up to its first step: the pipeline validated once,
-    an outside stage verified, the workdir started (``run.start``). Returns (loop, started,
-    start step, verified)."""
-    config.validate()
-    pipeline_name, stages = pipeline_stages()
-    pipeline = validate_pipeline(stages)  # once, before any data is loaded
-    # a stage that is not dpbench's own: its declaration verified on synthetic data first
-    verified = stage_check.verify_pipeline(pipeline.stages)
-    started = start_run(workdir, pipeline, config, pipeline_name, overwrite)
-    run = started.run
-    eval_fn = eval_fn_for(run.model) if eval_fn is None else eval_fn
-    loop = _Loop(run, config, workdir, started.ckpts, started.settings, eval_fn, wall_start,
-                 label)
-    start_step = int(jax.device_get(started.state.step))
-    return loop, started, start_step, verified
-
-
-def finish(loop: _Loop, started, state, progress: Progress, start_step: int, gin_files,
-           verified: dict, operative_config: str, group: Optional[dict] = None) -> dict:
+def finish(member: Member, state, group: dict) -> dict:
     """The trial's end: the checkpoints closed, the test split read once on the chosen
-    params, the run record and the operative config written (the record last)."""
-    run, config, end_step = loop.run, loop.config, started.end_step
-    if start_step == end_step:
-        logging.info("%sthe checkpoint at step %d already holds the whole run", loop.label,
-                     end_step)
-    loop.ckpts.close()
-    test_accuracy = _evaluate(loop.eval_fn, progress.best["params"], run.dataset.test,
+    params, the run record (with ``group``: how many trials shared its step) and the
+    operative config written (the record last)."""
+    run, config, progress = member.run, member.config, member.progress
+    if member.start_step == member.end_step:
+        logging.info("%sthe checkpoint at step %d already holds the whole run", member.label,
+                     member.end_step)
+    member.ckpts.close()
+    test_accuracy = _evaluate(member.eval_fn, progress.best["params"], run.dataset.test,
                               config.eval_batch_size)
     record = run_record.run_record(
-        started.settings, run, config, state, progress, end_step=end_step,
-        stop_reason=started.stop_reason, test_accuracy=test_accuracy, gin_files=gin_files,
-        verified=verified, wall_time_s=time.time() - loop.wall_start)
-    if group is not None:
-        record["group"] = group
-    records.atomic_write_text(loop.workdir / records.OPERATIVE_CONFIG_NAME, operative_config)
-    records.atomic_write_text(loop.workdir / records.RECORD_NAME, records.to_json(record))
+        member.started.settings, run, config, state, progress, end_step=member.end_step,
+        stop_reason=member.started.stop_reason, test_accuracy=test_accuracy,
+        gin_files=list(member.gin_files), verified=member.verified,
+        wall_time_s=time.time() - member.wall_start)
+    record["group"] = group
+    records.atomic_write_text(member.workdir / records.OPERATIVE_CONFIG_NAME,
+                              member.operative_config)
+    records.atomic_write_text(member.workdir / records.RECORD_NAME, records.to_json(record))
     logging.info("%sdone: test accuracy %.4f (best validation %s at step %d), epsilon %.4f",
-                 loop.label, record["test_accuracy"],
+                 member.label, record["test_accuracy"],
                  "none (refit)" if record["validation_accuracy"] is None
                  else f"{record['validation_accuracy']:.4f}", record["best_step"],
                  record["epsilon"])
-    logging.info("%sprivacy: %s", loop.label, record["privacy_statement"]["statement"])
+    logging.info("%sprivacy: %s", member.label, record["privacy_statement"]["statement"])
     return record
-
-
-def train(workdir: str | Path, config: Optional[TrainConfig] = None,
-          gin_files: Sequence[str] = (), overwrite: bool = False) -> dict:
-    """Trains the configured pipeline (its budget: ``budget.*`` in gin) and writes metrics and
-    the run record into ``workdir``.
-
-    A workdir holding checkpoints of an unfinished run is resumed from its newest intact
-    checkpoint (same settings required); one holding a finished run is refused unless
-    ``overwrite``.
-    """
-    wall_start, workdir = time.time(), Path(workdir)
-    config = TrainConfig() if config is None else config
-    loop, started, start_step, verified = begin(workdir, config, overwrite, wall_start)
-    state = train_steps(loop, started.state, started.progress, start_step, started.end_step)
-    return finish(loop, started, state, started.progress, start_step, gin_files, verified,
-                  gin.operative_config_str())

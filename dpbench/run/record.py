@@ -11,7 +11,7 @@ import numpy as np
 
 from dpbench import accounting, data, numerics, records
 from dpbench.models import registry as model_registry
-from dpbench.compiler import check as stage_check
+from dpbench.compiler.sources import stage_sources
 from dpbench.config import TrainConfig
 from dpbench.run.settings import Settings
 
@@ -25,7 +25,7 @@ def run_record(settings: Settings, run, config: TrainConfig, state, progress, *,
     epsilon = compiled.epsilon_after(end_step)
     steady = progress.interval_step_s[1:] or progress.interval_step_s  # first holds compile
     sources = [dict(source, checks_passed=verified[source["stage"]])  # what dpbench verified
-               for source in stage_check.stage_sources(s.name for s in compiled.plan.stages)]
+               for source in stage_sources(s.name for s in compiled.plan.stages)]
     code = outside_code(settings)
     return dict(
         settings.as_json(), gin_files=list(gin_files), epsilon=epsilon, steps=end_step,

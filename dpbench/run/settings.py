@@ -3,9 +3,9 @@ and its model depend on, built from the config, the budget and the compiled pipe
 the one source of the resume check, the checkpoint's ledger, the run record (the record is the
 settings plus the outcomes) and the privacy statement.
 
-A run trains one trial today; a group of trials that share one compiled step (a later step of
-the design) must agree on the settings that fix the step's shapes and structure, named once in
-``SHARED_BY_A_GROUP``; every other setting is a trial's own.
+Trials that share one compiled step (run/group.py) must agree on the settings that fix the
+step's shapes and structure: declared once here (``SHARED_BY_A_GROUP``, ``Settings.group_key``);
+every other setting is a trial's own number.
 """
 
 from __future__ import annotations
@@ -102,16 +102,55 @@ class Settings:
         return checkpoint.settings_digest(self.as_json())
 
     def group_key(self) -> dict:
-        """The settings the trials of one compiled step must share (``SHARED_BY_A_GROUP``)."""
-        shared = self.as_json()
-        key = {name: shared[name] for name in SHARED_BY_A_GROUP if name != "stages"}
-        key["stages"] = [stage["name"] for stage in shared["stages"]]
+        """The settings every trial of one compiled step shares (the declaration run/group.py
+        packs by): ``SHARED_BY_A_GROUP``; of the sampler, what fixes its batch's shape and
+        kind (``SHARED_SAMPLING``); whether an EMA is kept; and of each stage, its name and
+        every fact that is not a real number (counts, flags, names: top-k sizes, bands,
+        basis sizes, the optimizer's kind). A stage's real numbers (rates, bounds, learning
+        rates) and sigma, the seed and the planned steps are each trial's own."""
+        settings = self.as_json()
+        key = {name: settings[name] for name in SHARED_BY_A_GROUP}
+        key["sampling"] = {k: settings["sampling"].get(k) for k in SHARED_SAMPLING}
+        key["ema"] = self.ema_decay > 0
+        key["stages"] = [{k: v for k, v in stage.items()
+                          if k not in PROSE_FACTS and _is_structure(v)
+                          and k not in INTEGER_NUMBERS.get(stage["name"], ())}
+                         for stage in settings["stages"]]
         return key
 
 
+def _is_structure(value) -> bool:
+    """A fact that is not a real number: an int, a flag, a name (or a list / dict of them)."""
+    if isinstance(value, dict):
+        return all(_is_structure(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return all(_is_structure(v) for v in value)
+    return not isinstance(value, float)
+
+
 # What fixes the compiled step's shapes and structure: the data and its splits, the model,
-# the method's stage list (by name; its numbers are a trial's own), the expected batch size
-# (and so the padded batch) and the micro-batch. Learning rate, clip bound, sigma, EMA decay,
-# a stage's rates, the seed and the planned steps are a trial's own.
+# the method, the expected batch size and the micro-batch, a branch-free step or not.
 SHARED_BY_A_GROUP = ("dataset", "features", "dataset_size", "validation_size", "public_size",
-                     "model", "pipeline", "stages", "batch_size", "micro_batch_size")
+                     "model", "pipeline", "batch_size", "micro_batch_size", "branch_free_step")
+SHARED_SAMPLING = ("sampling", "padded_batch_size", "parts")
+PROSE_FACTS = ("statement_note", "mechanism")  # a stage's words for its statement, not structure
+# A stage's integer facts that are a trial's own numbers: BandMF's strategy is optimized for the
+# run's length, and enters the step as coefficients (lifted), so the length is not structure.
+INTEGER_NUMBERS = {"noise.banded": ("strategy_steps",)}
+
+# Bindings whose values are each trial's own although integers: its seed and its length.
+TRIAL_NUMBER_BINDINGS = ("train.seed", "train.epochs", "EPSILON", "DELTA")
+EMA_BINDING = "train.ema_decay"  # a real number, but whether it is 0 is structure (an EMA kept)
+
+
+def binding_structure(name: str, value):
+    """What a gin binding ``name = value`` fixes of a trial's compiled step: the rule of
+    ``Settings.group_key`` read off a binding, before anything is built (the sweep packs by it):
+    None for a trial's own number (a real number; the seed, the epochs, the budget), whether an
+    EMA is kept for the EMA decay, and the value itself otherwise (a count, a flag, a name, a
+    reference such as @prune.synflow())."""
+    if name in TRIAL_NUMBER_BINDINGS:
+        return None
+    if name == EMA_BINDING:
+        return float(value) > 0
+    return None if isinstance(value, float) else value

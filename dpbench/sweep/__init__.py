@@ -11,10 +11,11 @@ Per group (family, epsilon) of the protocol (dpbench/search/tuning.py):
      every point of the space's privacy support is computed (no training); all of it goes to
      ``<records>/<group>/search.json`` once (a rerun checks the protocol has not changed);
   2. search: every method's K trials on seed 0;
-  3. seeds: each method's winner on validation (the board's rule) on the other seeds.
-A Tune trial is a pack of one method's trials (sweep/jobs.py): one process trains them as
-groups, one compiled step per group (dpbench/run/group.py; ``--group_size`` caps a pack, and
-``--group_size=1`` runs one ``dpbench train`` process per trial). Each trial trains in
+  3. seeds: each method's winner on validation (the board's rule) on the other seeds, once
+     that method's own search is published (sweep/jobs.searched).
+A Tune trial is a pack of one method's trials (sweep/jobs.py): one ``dpbench train --trials``
+process trains them as groups, one compiled step per group (dpbench/run/trials.py;
+``--group_size`` caps a pack, and ``--group_size=1`` runs one process per trial). Each trial trains in
 ``<runs_dir>/<group>/<method>-t<trial>-seed<seed>`` (its own checkpoints: a trial Tune
 restarts resumes) and its record is published atomically to
 ``<records>/<group>/<method>-t<trial>-seed<seed>/run_record.json``; a run that diverges
@@ -38,53 +39,25 @@ from pathlib import Path
 from dpbench.cli_args import FlagParser
 from dpbench.search import registration, tuning
 from dpbench.sweep import cost as sweep_cost
-from dpbench.sweep.jobs import (LAUNCH_LOG, is_published, pack_jobs, published, result,
-                                run_job, run_pack)
+from dpbench.sweep.jobs import (LAUNCH_LOG, is_published, jobs_of, pack_jobs, published,
+                                result, run_pack, seed_jobs, winners_of)
 from dpbench.sweep import planning as sweep_plan
 from dpbench.sweep import secret as sweep_secret
 from dpbench.search.protocol import ProtocolError, load_protocol
 from dpbench.sweep.preflight import foreign_protocol_reason, retry_advice, unreachable_reason
 from dpbench.sweep.planning import prepare
+from dpbench.sweep.jobs import REPO
 
-REPO = Path(__file__).resolve().parents[2]
 SEARCH_FILE, DIVERGED, run_dir_name = tuning.SEARCH_FILE, tuning.DIVERGED, tuning.run_dir_name
 
 
 def _trainable(config: dict) -> None:
     from ray import tune
-    jobs = config["jobs"]
-    tune.report(run_job(jobs[0]) if len(jobs) == 1 else run_pack(jobs))
+    tune.report(run_pack(config["jobs"]))
 
 
 def _jobs(plans, phase: str, args, winners=None) -> list:
-    base = dict(records=str(args.records.resolve()), runs_dir=str(args.runs_dir.resolve()),
-                repo=str(REPO))
-    jobs = []
-    for plan in plans:
-        for method, m in plan["methods"].items():
-            if phase == "search":
-                runs = [(t, plan["seeds"][0]) for t in range(plan["num_trials"])]
-            else:
-                runs = [(winners[(plan["group"], method)], s) for s in plan["seeds"][1:]]
-            jobs += [dict(base, group=plan["group"], epsilon=plan["epsilon"],
-                          delta=plan["delta"], method=method,
-                          trial=t, seed=s, gin_files=m["gin_files"], bindings=m["trials"][t])
-                     for t, s in runs]
-    return jobs
-
-
-def winners_of(plans, records: Path) -> dict:
-    """(group, method) -> the trial chosen on validation among its published seed-0 runs."""
-    out = {}
-    for plan in plans:
-        for method in plan["methods"]:
-            validation = {}
-            for trial in range(plan["num_trials"]):
-                target = records / plan["group"] / run_dir_name(method, trial, plan["seeds"][0])
-                done = result(target)
-                validation[trial] = None if done["diverged"] else done["validation_accuracy"]
-            out[(plan["group"], method)] = tuning.choose_trial(validation)
-    return out
+    return jobs_of(plans, phase, args.records, args.runs_dir, winners)
 
 
 def run_phase(name: str, jobs: list, args) -> list:
@@ -131,7 +104,7 @@ def _run_secret(plans, args, private: Path, t0: float) -> int:
 
 # ``dpbench sweep MODE [flags]``: each mode is the flag it stands for (the flags still work)
 MODES = {"run": [], "prepare": ["--prepare_only"], "secret": ["--secret_trial_count"],
-         "progress": ["--progress"], "cost": ["--cost"]}
+         "progress": ["--progress"], "cost": ["--cost"], "local": ["--local"]}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -146,7 +119,7 @@ def _parser():
     parser = FlagParser(
         "dpbench sweep", __doc__.split("\n")[0] + " Modes: run (the default: search, then the "
         "winners' seeds), prepare (= --prepare_only), secret (= --secret_trial_count), "
-        "progress (= --progress), cost (= --cost).",
+        "progress (= --progress), cost (= --cost), local (= --local: without Ray, until a deadline).",
         usage="dpbench sweep [run|prepare|secret|progress|cost] [flags]")
     parser.add_argument("--protocol", type=Path, default=REPO / "leaderboard" / "protocol.json",
                         help="the tuning protocol (families, methods, search spaces, trials)")
@@ -189,6 +162,26 @@ def _parser():
                              "from the published records alone) and stop")
     parser.add_argument("--cost", action="store_true",
                         help="print the core-hours the runs under --runs_dir took and stop")
+    local = parser.add_argument_group("local (without Ray, until a deadline: sweep/local.py)")
+    local.add_argument("--local", action="store_true",
+                       help="run the trials on this machine without Ray until --deadline_s: "
+                            "--gpu_workers device processes (packs of one method's trials of "
+                            "one structure), --cpu_workers CPU processes (one trial each)")
+    local.add_argument("--deadline_s", type=float, default=None,
+                       help="--local: seconds from the start after which nothing is started "
+                            "and what runs is stopped (required with --local)")
+    local.add_argument("--gpu_workers", type=int, default=1,
+                       help="--local: processes training packs on the accelerator")
+    local.add_argument("--cpu_workers", type=int, default=0,
+                       help="--local: processes training one trial each on the CPU")
+    local.add_argument("--gpu_binding", action="append", default=[],
+                       help="--local: a gin binding added to every device trial, e.g. "
+                            "'train.accelerator_micro_batch_size = 0'")
+    local.add_argument("--out", type=Path, default=None,
+                       help="--local: where records.tar.gz (the newly published runs), "
+                            "failed_logs.tar.gz and local.json go (default: --runs_dir/local)")
+    local.add_argument("--pack_every_s", type=float, default=60.0,
+                       help="--local: how often the outputs are rewritten while it runs")
     return parser
 
 
@@ -224,6 +217,9 @@ def run_sweep(args: argparse.Namespace) -> int:
     if args.progress:
         sweep_cost.print_progress(args.records, args.cpus or os.cpu_count())
         return 0
+    if args.local and args.deadline_s is None:
+        print("dpbench: error: --local needs --deadline_s (seconds it may run)", file=sys.stderr)
+        return 2
     reason = (foreign_protocol_reason(args.protocol, args.records, args.official_board)
               or (args.secret_trial_count and sweep_secret.into_board_reason(args.records))
               or (args.address and unreachable_reason(args.address)))
@@ -264,6 +260,10 @@ def run_sweep(args: argparse.Namespace) -> int:
     for plan in plans:  # only the selected methods run
         keep = args.methods or list(plan["methods"])
         plan["methods"] = {m: v for m, v in plan["methods"].items() if m in keep}
+    if args.local:
+        from dpbench.sweep import local  # imports run/: only when it trains here
+        args.out = args.out or args.runs_dir / "local"
+        return local.run_local(plans, args)
     import ray
     if args.address:
         ray.init(address=args.address)
@@ -273,9 +273,9 @@ def run_sweep(args: argparse.Namespace) -> int:
     if args.secret_trial_count:  # the trials publish privately; only winners leave
         return _run_secret(plans, args, private, t0)
     failed = run_phase("search", _jobs(plans, "search", args), args)
-    if not failed:
-        failed = run_phase("seeds", _jobs(plans, "seeds", args,
-                                          winners_of(plans, args.records)), args)
+    # the phase rule (sweep/jobs.searched): every method whose search is published goes on
+    # to its winner's seeds, whatever another method's search did
+    failed += run_phase("seeds", seed_jobs(plans, args.records, args.runs_dir), args)
     for job, error in failed:
         print(f"FAILED: {job['group']}/{run_dir_name(job['method'], job['trial'], job['seed'])}"
               f": {retry_advice(error)}", file=sys.stderr)

@@ -91,7 +91,7 @@ def progress(records_dir: Path) -> dict:
                 if not (run_dir / records.RECORD_NAME).exists():
                     continue
                 record = json.loads((run_dir / records.RECORD_NAME).read_text())
-                (gpu_walls if _on_gpu(record) else walls)[key].append(
+                (gpu_walls if on_accelerator(record) else walls)[key].append(
                     record["wall_time_s"] * _share(record))
     out = {}
     for group_dir in groups:
@@ -117,7 +117,7 @@ def progress(records_dir: Path) -> dict:
     return out
 
 
-def _on_gpu(record: dict) -> bool:
+def on_accelerator(record: dict) -> bool:
     """Whether a run record was made on a GPU (its ``devices``, as jax names them)."""
     return any(str(d).startswith(("cuda", "gpu", "rocm")) for d in record.get("devices") or [])
 

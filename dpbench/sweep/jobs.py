@@ -1,6 +1,6 @@
-"""One Tune trial's work: a job (one dpbench run of the search) or a pack of jobs trained as
-groups by one process (dpbench/run/group.py), and the one way a finished run reaches the
-records folder.
+"""One Tune trial's work: a pack of jobs (one job: a pack of one), each a dpbench run of the
+search, trained by one ``dpbench train --trials`` process (run/trials.py), and the one way a
+finished run reaches the records folder.
 
 A job is a dict: records, runs_dir, repo, group, epsilon, delta, method, trial, seed,
 gin_files, bindings. Its run trains in ``<runs_dir>/<group>/<method>-t<trial>-seed<seed>`` and
@@ -11,21 +11,26 @@ but was not published (the sweep stopped in between) is published, not rerun.
 
 from __future__ import annotations
 
+import ast
 import fcntl
 import hashlib
 import json
 import math
 import os
 import signal
-import subprocess
 import sys
+import subprocess
+import threading
 from pathlib import Path
 from typing import Optional
 
 from dpbench import records as records_lib
+from dpbench.run import launch
+from dpbench.run import settings
 from dpbench.search import tuning
 
 DIVERGED, run_dir_name = tuning.DIVERGED, tuning.run_dir_name
+REPO = Path(__file__).resolve().parents[2]
 LAUNCH_LOG = "launches.log"  # one line per dpbench run a trial started (tests read it)
 
 
@@ -101,87 +106,209 @@ def _bindings(job: dict) -> list:
             f"train.seed = {job['seed']}"]
 
 
-def _launch(command: list, log_path: Path, runs_dir: Path, cwd: str, names: list) -> int:
-    """Runs ``command`` (a dpbench process) pinned to a free core, its output into
-    ``log_path``; ``names`` go to the launch log first. Returns its exit code."""
+_RUNNING: set = set()  # the processes _launch started and that have not ended
+_RUNNING_LOCK = threading.Lock()
+
+
+def _launch(command: list, log_path: Path, runs_dir: Path, cwd: str, names: list,
+            env: Optional[dict] = None) -> int:
+    """Runs ``command`` (a dpbench process; in ``env``, default this one's) pinned to a free
+    core, its output into ``log_path``; ``names`` go to the launch log first. Returns its exit
+    code."""
     with open(runs_dir / LAUNCH_LOG, "a") as log:
         log.write("".join(f"{name}\n" for name in names))
     core, lock = _lock_free_core(runs_dir / "core-locks")
     try:
         with open(log_path, "a") as log:
-            return subprocess.run(command, cwd=cwd, stdout=log, stderr=log,
-                                  preexec_fn=lambda: _child_setup(core)).returncode
+            proc = subprocess.Popen(command, cwd=cwd, stdout=log, stderr=log, env=env,
+                                    preexec_fn=lambda: _child_setup(core))
+            with _RUNNING_LOCK:
+                _RUNNING.add(proc)
+            try:
+                return proc.wait()
+            finally:
+                with _RUNNING_LOCK:
+                    _RUNNING.discard(proc)
     finally:
         if lock is not None:
             lock.close()
 
 
-def run_job(job: dict) -> dict:
-    """Trains one trial with the dpbench command and publishes what it left. Skips a trial
-    whose record is already published."""
-    done = publish(job)
-    if done is not None:
-        return done
-    workdir = workdir_of(job)
-    workdir.parent.mkdir(parents=True, exist_ok=True)
-    command = [sys.executable, "-m", "dpbench.main", f"--workdir={workdir}",
-               *[f"--gin_file={f}" for f in job["gin_files"]],
-               *[f"--gin_bindings={b}" for b in _bindings(job)]]
-    log = workdir.parent / f"{workdir.name}.log"
-    code = _launch(command, log, Path(job["runs_dir"]), job["repo"],
-                   [f"{job['group']}/{workdir.name}"])
-    tail = log.read_text()[-2000:]
-    done = publish(job, diverged=tail if "training diverged" in tail else None)
-    if done is not None:
-        return done
-    raise RuntimeError(f"{workdir.name} failed (exit {code}); log: {log}:\n{tail[-800:]}")
+def kill_children() -> None:
+    """Kills every process ``_launch`` started that is still running (a deadline's end)."""
+    with _RUNNING_LOCK:
+        running = list(_RUNNING)
+    for proc in running:
+        proc.kill()
 
 
-def run_pack(jobs: list) -> dict:
-    """Trains ``jobs`` (one method's, one protocol group's) in groups, one process
-    (``python -m dpbench.run.group``), and publishes each; a published job is skipped, a
-    finished one published. Raises, after publishing every job that finished, when any did
-    not."""
+def _trial(job: dict) -> launch.Trial:
+    return launch.Trial(workdir_of(job), tuple(job["gin_files"]), tuple(_bindings(job)))
+
+
+def run_pack(jobs: list, env: Optional[dict] = None) -> dict:
+    """Trains ``jobs`` (one method's, one protocol group's; one job alone is a pack of one) in
+    one ``dpbench train --trials`` process and publishes each: a published job is skipped, a
+    finished one published, a diverged one published as diverged by what the process's
+    outcomes file says (``env``: the process's environment). Raises, after publishing every
+    job that finished, when any did not."""
     todo = [job for job in jobs if publish(job) is None]
     if todo:
         first = workdir_of(todo[0])
         first.parent.mkdir(parents=True, exist_ok=True)
         key = hashlib.sha256(json.dumps(todo, sort_keys=True).encode()).hexdigest()[:10]
-        spec, outcomes = (first.parent / f"pack-{key}.json",
-                          first.parent / f"pack-{key}.outcomes.json")
-        records_lib.atomic_write_text(spec, json.dumps(
-            [dict(workdir=str(workdir_of(j)), gin_files=j["gin_files"], bindings=_bindings(j))
-             for j in todo], indent=1) + "\n")
+        stem = (f"{first.name}" if len(todo) == 1 else f"pack-{key}")
+        spec, outcomes = (first.parent / f"{stem}.trials.json",
+                          first.parent / f"{stem}.outcomes.json")
+        launch.write_trials_file(spec, [_trial(j) for j in todo])
         outcomes.unlink(missing_ok=True)
-        log = first.parent / f"pack-{key}.log"
-        code = _launch([sys.executable, "-m", "dpbench.run.group", str(spec), str(outcomes)],
-                       log, Path(todo[0]["runs_dir"]), todo[0]["repo"],
-                       [f"{j['group']}/{workdir_of(j).name}" for j in todo])
+        log = first.parent / f"{stem}.log"
+        code = _launch(launch.launch_command(spec, outcomes), log,
+                       Path(todo[0]["runs_dir"]), todo[0]["repo"],
+                       [f"{j['group']}/{workdir_of(j).name}" for j in todo], env)
         said = ({o["workdir"]: o for o in json.loads(outcomes.read_text())}
                 if outcomes.exists() else {})
         missing = []
         for job in todo:
             outcome = said.get(str(workdir_of(job)), {})
             if publish(job, diverged=outcome.get("message")
-                       if outcome.get("outcome") == "diverged" else None) is None:
+                       if outcome.get("outcome") == launch.DIVERGED else None) is None:
                 missing.append(workdir_of(job).name)
         if missing:
-            tail = log.read_text()[-800:]
+            tail = log.read_text()[-800:] if log.exists() else ""
             raise RuntimeError(f"{', '.join(missing)} failed (exit {code}); log: {log}:\n{tail}")
     results = [result(published(job)) for job in jobs]
     return dict(trials=len(jobs), diverged=sum(r["diverged"] for r in results),
                 validation_accuracy=max(r["validation_accuracy"] for r in results))
 
 
-def pack_jobs(jobs: list, group_size: int, workers: int) -> list:
-    """``jobs`` as packs, each one Tune trial: one method's jobs of one protocol group
-    together (the trials a group step can share), each method-group's n jobs split into
-    min(n, ceil(workers / method-groups)) packs of sizes that differ by one at most (so that
-    few methods still fill every worker), then into packs of at most ``group_size`` jobs
-    (0: no cap; the group process sizes its groups by the device's memory)."""
+def jobs_of(plans, phase: str, records: Path, runs_dir: Path, winners=None) -> list:
+    """The jobs of ``phase`` ('search': every method's K trials on the first seed; 'seeds':
+    each method's winner, ``winners[(group, method)]``, on the other seeds) of ``plans``."""
+    base = dict(records=str(Path(records).resolve()), runs_dir=str(Path(runs_dir).resolve()),
+                repo=str(REPO))
+    jobs = []
+    for plan in plans:
+        for method, m in plan["methods"].items():
+            if phase == "search":
+                runs = [(t, plan["seeds"][0]) for t in range(plan["num_trials"])]
+            else:
+                runs = [(winners[(plan["group"], method)], s) for s in plan["seeds"][1:]]
+            jobs += [dict(base, group=plan["group"], epsilon=plan["epsilon"],
+                          delta=plan["delta"], method=method,
+                          trial=t, seed=s, gin_files=m["gin_files"], bindings=m["trials"][t])
+                     for t, s in runs]
+    return jobs
+
+
+def winners_of(plans, records: Path) -> dict:
+    """(group, method) -> the trial chosen on validation among its published seed-0 runs."""
+    out = {}
+    for plan in plans:
+        for method in plan["methods"]:
+            validation = {}
+            for trial in range(plan["num_trials"]):
+                target = Path(records) / plan["group"] / run_dir_name(method, trial,
+                                                                      plan["seeds"][0])
+                done = result(target)
+                validation[trial] = None if done["diverged"] else done["validation_accuracy"]
+            out[(plan["group"], method)] = tuning.choose_trial(validation)
+    return out
+
+
+def searched(plans, records: Path, runs_dir: Path) -> list:
+    """The phase rule: each (plan of one method) whose search is wholly published, so its
+    winner's seed runs may start (a method's winner is chosen among its own trials alone:
+    one slow or failed method holds back no other's seeds)."""
+    out = []
+    for plan in plans:
+        for method in plan["methods"]:
+            alone = dict(plan, methods={method: plan["methods"][method]})
+            if all(is_published(j) for j in jobs_of([alone], "search", records, runs_dir)):
+                out.append(alone)
+    return out
+
+
+def seed_jobs(plans, records: Path, runs_dir: Path) -> list:
+    """The seed runs of every method of ``plans`` whose search is done (``searched``)."""
+    ready = searched(plans, records, runs_dir)
+    return jobs_of(ready, "seeds", records, runs_dir, winners_of(ready, records))
+
+
+def _literal(text: str):
+    """A binding's value as gin reads it (``1024``, ``1_024`` and ``1024`` alike; a reference
+    such as ``@prune.synflow()`` as its text)."""
+    try:
+        return ast.literal_eval(text.strip())
+    except (ValueError, SyntaxError):
+        return text.strip()
+
+
+def _bound(bindings) -> dict:
+    return {k.strip(): _literal(v) for k, v in (b.split("=", 1) for b in bindings if "=" in b)}
+
+
+def gin_defaults(gin_files, names) -> dict:
+    """The values ``gin_files`` (a method's and its family's) bind to ``names``, parsed by
+    dpbench's own gin parsing; a name they leave unbound is absent. Gin is global (and its
+    configurables import JAX): a sweep's driver calls it through :func:`method_defaults`, in
+    a process of its own."""
+    import gin
+    from dpbench import config
+    config.parse_config(list(gin_files), [])
+    out = {}
+    for name in names:
+        try:  # a macro (no dot, e.g. BANDS) is queried as %BANDS
+            out[name] = gin.query_parameter(name if "." in name else f"%{name}")
+        except ValueError:  # not bound: the function's own default, the same for every trial
+            pass
+    gin.clear_config()
+    return out
+
+
+_DEFAULTS_CHILD = ("import json, sys; from dpbench.sweep import jobs; print(json.dumps("
+                   "[jobs.gin_defaults(f, n) for f, n in json.loads(sys.argv[1])]))")
+
+
+def method_defaults(jobs: list) -> dict:
+    """tuple(gin files) -> the values its files give to every name some job binds: what a
+    job that does not bind a name trains with (a search's trial 0 binds only its base). Read
+    in a child process: the driver, which forks trial processes, never imports JAX."""
+    names: dict = {}
+    for job in jobs:
+        names.setdefault(tuple(job["gin_files"]), set()).update(_bound(job["bindings"]))
+    asked = [(list(files), sorted(n)) for files, n in names.items()]
+    if not asked:
+        return {}
+    child = subprocess.run([sys.executable, "-c", _DEFAULTS_CHILD, json.dumps(asked)],
+                           cwd=REPO, capture_output=True, text=True)
+    if child.returncode:
+        raise RuntimeError(f"reading the methods' gin defaults failed: {child.stderr[-1500:]}")
+    values = json.loads(child.stdout.strip().splitlines()[-1])
+    return {tuple(files): value for (files, _), value in zip(asked, values)}
+
+
+def structure_of(job: dict, defaults: Optional[dict] = None) -> tuple:
+    """What of ``job``'s configuration fixes its compiled step (run/settings.binding_structure:
+    the one declaration, read off its bindings over its gin files' ``defaults``): jobs with
+    equal structure of one method train as one group."""
+    bound = {**(defaults or {}), **_bound(job["bindings"])}
+    fixed = ((k, settings.binding_structure(k, v)) for k, v in bound.items())
+    return tuple(sorted((k, json.dumps(v)) for k, v in fixed if v is not None))
+
+
+def pack_jobs(jobs: list, group_size: int, workers: int, defaults: Optional[dict] = None) -> list:
+    """``jobs`` as packs, each one Tune trial: one method's jobs of one protocol group and one
+    structure (``structure_of`` over ``defaults``, :func:`method_defaults`) together (the
+    trials one group step can share), each such set's n jobs split into min(n, ceil(workers /
+    sets)) packs of sizes that differ by one at most (so that few methods still fill every
+    worker), then into packs of at most ``group_size`` jobs (0: no cap; the process sizes
+    its groups by the device's memory)."""
+    defaults = method_defaults(jobs) if defaults is None else defaults
     by_method: dict = {}
     for job in jobs:
-        by_method.setdefault((job["group"], job["method"]), []).append(job)
+        shape = structure_of(job, defaults.get(tuple(job["gin_files"])))
+        by_method.setdefault((job["group"], job["method"], shape), []).append(job)
     spread = max(1, math.ceil(workers / max(1, len(by_method))))
     packs = []
     for members in by_method.values():

@@ -60,6 +60,52 @@ def _blas() -> list:
                   for i in threadpoolctl.threadpool_info() if i.get("user_api") == "blas")
 
 
+# The accelerator numerics policy. An accelerator's default float32 product is TF32 (inputs
+# rounded to 10 mantissa bits): a per-example gradient norm computed that way is off by about
+# 1e-3 relative, so clipping to it can leave an example's contribution above the bound C that
+# the sensitivity, and so the accountant, assumes. dpbench runs float32 matrix products and
+# convolutions at full precision on accelerators; a CPU always does.
+ACCELERATOR_PRECISION = "highest"
+FULL_PRECISIONS = ("highest", "float32", "f32_f32_f32", "f64_f64_f64")  # its names, lower case
+PRECISION_WHY = ("float32 products at full precision: the per-example norms the clip relies "
+                 "on are exact to float32 rounding (TF32 or bfloat16 would round them to "
+                 "about 1e-3, beyond what the sensitivity bound allows)")
+
+
+def use_precision_policy(backend: str | None = None) -> None:
+    """Applies the accelerator numerics policy to this process (``ACCELERATOR_PRECISION`` on a
+    GPU or TPU; nothing on a CPU). A lower precision set by the caller (JAX_DEFAULT_MATMUL_
+    PRECISION or jax.config) is refused: it would round the norms the clip relies on."""
+    import jax
+
+    backend = jax.default_backend() if backend is None else backend
+    if backend == "cpu":
+        return
+    setting = jax.config.jax_default_matmul_precision
+    if setting is not None and str(setting).lower() not in FULL_PRECISIONS:
+        raise ValueError(
+            f"the matmul precision is set to {setting!r} (JAX_DEFAULT_MATMUL_PRECISION or "
+            "jax_default_matmul_precision): it rounds the per-example gradient norms the clip "
+            "relies on, so the sensitivity would not hold; unset it (dpbench runs float32 "
+            f"products at {ACCELERATOR_PRECISION!r} on accelerators)")
+    jax.config.update("jax_default_matmul_precision", ACCELERATOR_PRECISION)
+
+
+def matmul_precision(backend: str | None = None) -> dict:
+    """The precision this process's float32 matrix products and convolutions run at, and why
+    (a run record's ``host_numerics.matmul_precision``)."""
+    import jax
+
+    backend = jax.default_backend() if backend is None else backend
+    if backend == "cpu":
+        return {"precision": "float32", "why": "a CPU computes float32 products at full "
+                                               "precision whatever the setting"}
+    setting = jax.config.jax_default_matmul_precision
+    return {"precision": str(setting or "default (TF32 on a recent GPU)"),
+            "why": PRECISION_WHY if str(setting).lower() in FULL_PRECISIONS
+            else "not dpbench's policy (numerics.use_precision_policy was not applied)"}
+
+
 def host_numerics(cpuinfo: Path = Path("/proc/cpuinfo")) -> dict:
     """Everything known to change the bits a run computes on this host's CPU: the package
     versions that compute, the CPU (vendor, family, model, ISA flags), the core count (XLA and
@@ -72,6 +118,7 @@ def host_numerics(cpuinfo: Path = Path("/proc/cpuinfo")) -> dict:
     computing.pop("python")  # no bit depends on it
     return {"versions": computing,
             **host_numerics_without_jax(cpuinfo),
+            "matmul_precision": matmul_precision(),
             # under taskset XLA's thread pool follows the affinity mask, and its reductions
             # split by thread: GEP's parameters differed between 1 and 2 usable cores
             "usable_cores": len(os.sched_getaffinity(0)),

@@ -106,3 +106,28 @@ def test_host_numerics_names_the_cores_a_taskset_leaves(monkeypatch):
     pinned = numerics.host_numerics()
     assert (both["usable_cores"], pinned["usable_cores"]) == (2, 1)
     assert numerics.numerics_digest(both) != numerics.numerics_digest(pinned)
+
+
+def test_the_accelerator_precision_policy_sets_full_float32_and_refuses_a_lower_one():
+    """On an accelerator (its backend named), the policy runs float32 products at full
+    precision and the record says so and why; a lower precision set before (TF32, bfloat16,
+    an accelerator's 'default') is refused, naming the variable; a CPU is left alone."""
+    import jax
+    before = jax.config.jax_default_matmul_precision
+    try:
+        for lower in ("tensorfloat32", "bfloat16", "default", "high", "TF32_TF32_F32"):
+            jax.config.update("jax_default_matmul_precision", lower)
+            with pytest.raises(ValueError, match="JAX_DEFAULT_MATMUL_PRECISION"):
+                numerics.use_precision_policy("gpu")
+            assert numerics.matmul_precision("gpu")["why"].startswith("not dpbench's policy")
+        jax.config.update("jax_default_matmul_precision", None)
+        numerics.use_precision_policy("cpu")
+        assert jax.config.jax_default_matmul_precision is None
+        assert numerics.matmul_precision("cpu")["precision"] == "float32"
+        numerics.use_precision_policy("gpu")
+        assert jax.config.jax_default_matmul_precision == numerics.ACCELERATOR_PRECISION
+        said = numerics.matmul_precision("gpu")
+        assert said == {"precision": "highest", "why": numerics.PRECISION_WHY}
+        assert numerics.host_numerics()["matmul_precision"] == numerics.matmul_precision()
+    finally:
+        jax.config.update("jax_default_matmul_precision", before)

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dpbench import accounting, data, models, sampling, sharding
+from dpbench import accounting, data, models, numerics, sampling, sharding
 from dpbench.compiler.facts import RunInputs
 from dpbench.compiler.pipeline import CompiledPipeline, account_only, compile_pipeline
 from dpbench.compiler.plan import StepOptions
@@ -139,6 +139,7 @@ def build_run(stages: Sequence[Stage] | ValidatedPipeline, config: TrainConfig,
     when it is None) and compiles the pipeline for the mesh over all devices, its sigma
     calibrated to ``budget`` (default: the configured one, ``budget.*`` in gin)."""
     budget = accounting.Budget() if budget is None else budget
+    numerics.use_precision_policy()  # before anything is traced: the clip's norms at float32
     parts = _parts(config, budget, model_config)
     mesh = sharding.make_mesh()
     t0 = time.time()

@@ -285,6 +285,13 @@ def test_the_one_packing_rule_holds_one_structure_per_pack(tmp_path):
     assert bandmf["BANDS"] == 4
     assert structure(dict(bindings=[]), bandmf) == structure(
         dict(bindings=["BANDS = 4"]), bandmf) != structure(dict(bindings=["BANDS = 2"]), bandmf)
+    # a reference is structure too, read as its gin text (DP-SSGD's pre-prune stage: the
+    # rehearsal on board v4's protocol found gin's reference object where text was expected)
+    (dpssgd,) = sweep_jobs.method_defaults([dict(gin_files=["pipelines/dpssgd/pipeline.gin"],
+                                                 bindings=["PRUNE = @prune.random()"])]).values()
+    assert structure(dict(bindings=[]), dpssgd) == structure(
+        dict(bindings=["PRUNE = @prune.synflow()"]), dpssgd) != structure(
+        dict(bindings=["PRUNE = @prune.random()"]), dpssgd)
 
 
 def test_a_failed_packs_log_comes_back(tmp_path):

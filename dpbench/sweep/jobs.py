@@ -12,6 +12,7 @@ but was not published (the sweep stopped in between) is published, not rerun.
 from __future__ import annotations
 
 import ast
+import ctypes
 import fcntl
 import hashlib
 import json
@@ -50,12 +51,16 @@ def _lock_free_core(lock_dir: Path):
     return None, None
 
 
+# libc loaded here, in the parent: the forked child then calls prctl without dlopen, which could
+# wait forever on a loader lock another thread of a JAX-using parent held at the fork
+_LIBC = ctypes.CDLL("libc.so.6", use_errno=True) if sys.platform.startswith("linux") else None
+
+
 def _child_setup(core) -> None:
     """In the dpbench child: die with the Ray worker (an interrupted sweep must leave no run
     writing into a workdir that the restored trial resumes), and pin to ``core``."""
-    if sys.platform.startswith("linux"):
-        import ctypes
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    if _LIBC is not None:
+        _LIBC.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     if core is not None:
         os.sched_setaffinity(0, {core})
 
@@ -259,9 +264,11 @@ def gin_defaults(gin_files, names) -> dict:
     out = {}
     for name in names:
         try:  # a macro (no dot, e.g. BANDS) is queried as %BANDS
-            out[name] = gin.query_parameter(name if "." in name else f"%{name}")
+            value = gin.query_parameter(name if "." in name else f"%{name}")
         except ValueError:  # not bound: the function's own default, the same for every trial
-            pass
+            continue
+        # a reference (@prune.synflow()) as the gin text a binding writes it in
+        out[name] = json.loads(json.dumps(value, default=str))
     gin.clear_config()
     return out
 

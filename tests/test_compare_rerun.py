@@ -1,18 +1,19 @@
-"""tools/compare_rerun.py: a protocol's rerun against the committed records, per group and
-method: the search's trials paired by configuration, the winners' retrains unpaired."""
+"""dpbench/board/rerun.py: a protocol's rerun against the committed records, per group and
+method: the search's trials paired by configuration, the winners' retrains unpaired, and
+whether each cell chose the same winner."""
 
 import json
 
 import numpy as np
 import pytest
 
-from tests.conftest import load_tool
+from dpbench.board import rerun
 
 GROUP = "digits__logistic__eps3.0__delta1e-05"
 
 
 def _tool():
-    return load_tool("compare_rerun")
+    return rerun
 
 
 def _write(root, plan, accuracy, skip=()):
@@ -57,3 +58,7 @@ def test_paired_search_and_welch_retrains_against_the_committed_records(tmp_path
     assert b["search_diff"] == pytest.approx(0.0, abs=1e-12)
     assert b["winners"][0] is None and "retrain_ci" not in b  # its search is not complete
     assert "| a |" in out.read_text() and "cuda:0" in out.read_text()
+    # b's 3 pairs: no Bonferroni interval (1-2 df would span tens of points), said on the page
+    assert "search_ci_bonferroni" in a and "search_ci_bonferroni" not in b
+    assert rerun.same_winner(list(rows.values())) == (1, 1)  # a: both ran whole, same winner
+    assert "same trial in 1 of the 1 cells" in out.read_text()

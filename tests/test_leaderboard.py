@@ -93,6 +93,22 @@ def test_step_ratio_comes_from_the_speed_benchmark_at_the_runs_batch_size(record
     assert "| 1.20x† |" in (tmp_path / "board" / "README.md").read_text()
 
 
+@pytest.mark.parametrize("rs_devices,compared", [(["cpu:0"], True), (["cuda:0"], False)])
+def test_step_times_are_compared_only_on_one_kind_of_device(tmp_path, rs_devices, compared):
+    """Board v3's trap: RS's runs on a GPU against DP-SGD's on a CPU gave a step-time ratio
+    that was the devices', not the methods'. Runs' own step times are compared only where both
+    methods' runs ran on one kind of device."""
+    root = tmp_path / "board" / "records"
+    for seed in range(2):
+        write(root, GROUP, f"dpsgd-s{seed}", dict(fake_record("dpsgd", seed, 0.86, 0.86),
+                                                  devices=["cpu:0"]))
+        write(root, GROUP, f"rs-s{seed}", dict(fake_record("rs", seed, 0.85, 0.85, step_s=0.12),
+                                               devices=rs_devices))
+    rows = {r["method"]: r for r in board.build(root, tmp_path / "board")[GROUP]}
+    assert (rows["rs"]["step_ratio"] == pytest.approx(1.2)) is compared
+    assert (rows["rs"]["step_ratio"] is None) is not compared
+
+
 def test_two_regenerations_give_identical_bytes(records, tmp_path):
     outputs = []
     for name in ("one", "two"):

@@ -191,7 +191,8 @@ def render_markdown(table: dict, plots: dict, note: str = "", trial_plots=None,
              "non-private diagnostics (means over training) where the runs recorded them. Step "
              "time vs DP-SGD is the speed benchmark's ratio at the run's batch size "
              "(`PERF.md`); x† marks a ratio of the runs' own median step times per example (no "
-             "benchmark row; the batch sizes may differ).", ""]
+             "benchmark row; the batch sizes may differ), given only where both methods' runs "
+             "ran on one kind of device (else n/a).", ""]
     if note:
         lines += [note.strip(), ""]
     for title, cells in verdicts or []:
@@ -230,7 +231,8 @@ def render_html(table: dict, plots: dict, note: str = "", trial_plots=None,
                                            for line in SELECTION_RULE.splitlines()) + "</ul>",
              "<p>Generated from run records by <code>dpbench board</code>. Step time vs "
              "DP-SGD: the speed benchmark's ratio at the run's batch size (PERF.md); x† marks "
-             "the runs' own step times per example.</p>"]
+             "the runs' own step times per example, given only where both methods' runs ran "
+             "on one kind of device.</p>"]
     if note:
         parts += [f"<p class='note'>{_inline_markdown(paragraph)}</p>"
                   for paragraph in re.split(r"\n\s*\n", note.strip())]

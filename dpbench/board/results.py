@@ -222,16 +222,26 @@ def load_perf(path) -> dict:
     return out
 
 
+def device_kinds(runs) -> tuple:
+    """The kinds of device ('cpu', 'cuda', ...) the runs' records name ('unknown' for a record
+    without ``devices``)."""
+    return tuple(sorted({str(d).split(":")[0] for r in runs
+                         for d in (r.get("devices") or ["unknown"])}))
+
+
 def _step_ratio(row: dict, base: Optional[dict], perf: dict) -> tuple:
     """The method's step time over DP-SGD's: from the speed benchmark at the run's batch size
     (measured side by side on a quiet machine) when it has both, else from the runs' own median
     step times (which may have shared the machine) per example, since v2's winners tune their
-    batch size (the same ratio as per step when the batch sizes agree). Returns (ratio,
-    source)."""
+    batch size (the same ratio as per step when the batch sizes agree), and only where both
+    methods' runs ran on one kind of device (a GPU's step against a CPU's is no method's
+    cost). Returns (ratio, source)."""
     b = row["batch_size"]
     if (row["method"], b) in perf and (BASELINE, b) in perf:
         return perf[(row["method"], b)] / perf[(BASELINE, b)], "bench"
     if base is None or row["step_s"] is None or base["step_s"] is None:
+        return None, None
+    if len(row["devices"]) != 1 or row["devices"] != base["devices"]:
         return None, None
     return (row["step_s"] / row["batch_size"]) / (base["step_s"] / base["batch_size"]), "runs"
 
@@ -279,6 +289,7 @@ def summarize(records: list[dict], audits: dict, out_dir: Path,
                 accountant=first["accountant"], sampling=first["sampling"]["sampling"],
                 epsilon=max(r["epsilon"] for r in runs),
                 step_s=_mean_or_none([r["median_step_s"] for r in runs]),
+                devices=device_kinds(runs),
                 audit_epsilon_lb=None if audit is None else audit["epsilon_lb"],
                 fidelity_cosine=(float(np.mean([f["cosine_mean"] for f in fidelity]))
                                  if fidelity else None),

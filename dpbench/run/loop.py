@@ -9,7 +9,7 @@ import json
 import math
 import time
 from pathlib import Path
-from typing import Any, Callable, NamedTuple, Optional, Sequence
+from typing import Any, Callable, NamedTuple, Optional, Protocol, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -192,27 +192,23 @@ class TrialSteps:
                             done, epsilon, key_saved=config.seed is not None)
 
 
-class Stepping:
+class Stepping(Protocol):
     """How the loop steps its members: ``step(at, ends)`` takes one compiled step of every
     member whose ``at`` is before its end (the others are left as they were);
     ``state_of(i)`` / ``metrics_of(i)`` give member i's state and last metrics;
     ``take_nonfinite(i)`` reads and zeroes its non-finite count. A trial alone and a group
-    (run/group.py) each implement it."""
+    (run/group.Grouped) each implement it."""
 
-    def step(self, at: list, ends) -> None:
-        raise NotImplementedError
+    def step(self, at: list, ends) -> None: ...
 
-    def state_of(self, i: int):
-        raise NotImplementedError
+    def state_of(self, i: int): ...
 
-    def metrics_of(self, i: int):
-        raise NotImplementedError
+    def metrics_of(self, i: int): ...
 
-    def take_nonfinite(self, i: int) -> float:
-        raise NotImplementedError
+    def take_nonfinite(self, i: int) -> float: ...
 
 
-class Alone(Stepping):
+class Alone:
     """One trial on its own compiled step (no trace, no stacking: the cost of a run)."""
 
     def __init__(self, member: Member):

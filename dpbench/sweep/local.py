@@ -19,6 +19,8 @@ import io
 import json
 import os
 import statistics
+import subprocess
+import sys
 import tarfile
 import threading
 import time
@@ -27,6 +29,7 @@ from pathlib import Path
 from dpbench import records as records_lib
 from dpbench.run import group as run_group
 from dpbench.search import tuning
+from dpbench.sweep import cost
 from dpbench.sweep import jobs as sweep_jobs
 
 CPU_ENV = {"JAX_PLATFORMS": "cpu", "CUDA_VISIBLE_DEVICES": ""}
@@ -62,7 +65,6 @@ def published_runs(records: Path, group: str) -> set:
 def cpu_estimates(records: Path, plans) -> dict:
     """(group, method) and (family, method) -> the median wall_time_s of its published records
     made on a CPU (a device run's wall time says nothing of a CPU worker's)."""
-    from dpbench.sweep import cost
     times: dict = {}
     for plan in plans:
         group = plan["group"]
@@ -93,9 +95,8 @@ class LocalRunner:
         self.device_disabled = False
         self.initial = {g: published_runs(args.records, g) for g in self.plans}
         self.cpu_s = cpu_estimates(args.records, plans)
-        every = [j for p in plans for phase in ("search",) for j in
-                 sweep_jobs.jobs_of([p], phase, args.records, args.runs_dir)]
-        # each method's gin defaults, parsed once before any worker starts (gin is global)
+        every = sweep_jobs.jobs_of(plans, "search", args.records, args.runs_dir)
+        # each method's gin defaults, read once (in a child process) before any worker starts
         self.defaults = sweep_jobs.method_defaults(every)
         self._queue(every)
         self._queue_seeds()
@@ -248,8 +249,6 @@ def worker(runner: LocalRunner, kind: str) -> None:
 def precompute_features(runner: LocalRunner) -> None:
     """Each ScatterNet family's features computed once (the cache its trials then read), in a
     CPU process, before that family's trials are released."""
-    import subprocess
-    import sys
     for group, plan in runner.plans.items():
         family = group.split("__eps")[0]
         if "scatter" not in family or family in runner.ready_families:

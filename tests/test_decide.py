@@ -5,7 +5,7 @@ infinitely many draws would give, or says "undecided"; the point estimate alone 
 import numpy as np
 import pytest
 
-from dpbench.board import decide, uncertainty
+from dpbench.board import decide
 
 ALPHA, FLIP = 0.05, 1e-6
 SCHEDULE = (10_000, 40_000, 160_000, 640_000)
@@ -60,9 +60,11 @@ def test_the_point_estimate_alone_flips_the_boundary_label_between_streams():
 
 
 def test_holm_is_the_boards_own_and_bad_schedules_are_refused():
-    p = np.random.default_rng().uniform(0, 0.1, 7)
-    want = uncertainty.holm(dict(enumerate(p)))
-    assert list(decide.holm_adjusted(p)) == [want[i] for i in range(7)]
+    # p = (0.01, 0.04, 0.03, 0.005), m = 4: sorted 0.005 x 4 = 0.02, 0.01 x 3 = 0.03,
+    # 0.03 x 2 = 0.06, 0.04 x 1 = 0.04 -> 0.06 (monotone)
+    assert decide.holm_adjusted([0.01, 0.04, 0.03, 0.005]) == pytest.approx(
+        [0.03, 0.06, 0.06, 0.02])
+    assert list(decide.holm_adjusted([0.7, 0.9])) == [1.0, 1.0]
     for schedule in ((), (100, 10), (0, 10)):
         with pytest.raises(ValueError, match="increasing positive"):
             decide.decide(lambda n: np.zeros(3), ALPHA, schedule, FLIP)

@@ -52,7 +52,13 @@ def test_the_tuned_and_paired_laws_are_the_limit_of_the_rules_draws():
         paired = ideal.PairedLaw(v3_rule.paired_differences(cell))
         pdraws = v3_rule.paired_draws(cell, 400_000, 3)
         for law, d in ((tuned, draws), (paired, pdraws)):
+            values = np.unique(d)
             for x in np.percentile(d, [10, 50, 90]):
+                # halfway to the next value drawn: the paired law is discrete, and at one of
+                # its atoms 'below or at' hangs on the last bit of two ways to sum the same
+                # differences (a false failure seen once, p 0.5312 against 0.5264)
+                i = min(int(np.searchsorted(values, x)), len(values) - 2)
+                x = (values[i] + values[i + 1]) / 2
                 p = law.below(float(x))
                 se = np.sqrt(max(p * (1 - p), 1e-6) / len(d))
                 assert abs(p - np.mean(d <= x)) < 5 * se + 1e-9, (p, np.mean(d <= x))

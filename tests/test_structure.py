@@ -359,3 +359,21 @@ def test_one_training_loop_one_launcher_one_packing_rule():
     graph = {name: _imports(path, _modules()) for name, path in _modules().items()}
     assert "dpbench.run.trials" in graph["dpbench.main"]
     assert "dpbench.run.launch" in graph["dpbench.sweep.jobs"]
+
+
+def test_the_board_imports_at_module_level_only(tmp_path):
+    """Every import of dpbench/board/ sits at its module's top, where a reader (and the floor
+    table above) sees it: none inside a function, so no edge of the board hides in a call. The
+    check itself fails on a module that imports inside a function."""
+    def hidden(path):
+        out = []
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                out += [f"{path.name}:{sub.lineno}" for sub in ast.walk(node)
+                        if isinstance(sub, (ast.Import, ast.ImportFrom))]
+        return out
+    board_dir = PACKAGE / "board"
+    assert [h for p in sorted(board_dir.glob("*.py")) for h in hidden(p)] == []
+    broken = tmp_path / "late.py"
+    broken.write_text("def f():\n    from dpbench.board import paired\n")
+    assert hidden(broken) == ["late.py:2"]

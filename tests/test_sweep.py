@@ -48,8 +48,6 @@ PROTOCOL = {
                     "rs": {"gin_file": "pipelines/rs/pipeline.gin", "trial0": RECIPE,
                            "space": {"sparsify.random_mask.final_rate": {
                                "uniform": [0.3, 0.9]}}}}}}}
-# board v2's hand-written 'what changed' (board v3 reads its claims from the method folders)
-V2_CLAIMS = config.REPO_ROOT / "leaderboard" / "archive" / "v2" / "claims.json"
 
 
 def sweep_command(tmp):
@@ -341,20 +339,12 @@ def test_the_board_shows_the_search_and_regenerates_identical_bytes(finished_swe
     capsys.readouterr()
     for name in ("README.md", "index.html", f"plots/{GROUP}__trials.svg"):
         assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes()
-    # the verdicts: the paper's claim next to v1's gain (none here) and v2's
-    board.build(records, tmp_path / "c", claims_json=V2_CLAIMS, methods_dirs=(
+    # with the researcher's method folder passed, no warning (board v2's unpaired verdicts
+    # are retired: a searched group without paired trials shows its configurations only)
+    board.build(records, tmp_path / "c", methods_dirs=(
         methods.BOARD_METHODS, finished_sweep.folder / "my_methods"))
     assert "no method folder" not in capsys.readouterr().err  # every method has its folder
-    text = (tmp_path / "c" / "README.md").read_text()
-    assert f"## Verdicts: {GROUP}" in text
-    # the researcher's own board: headers that say what each gain is, and a verdict word
-    header = next(line for line in text.splitlines() if line.startswith("| method | paper |"))
-    assert "gain over DP-SGD, points (± s.e.)" in header and "v2 gain" not in header
-    assert "verdict (seeds only, Holm; search luck not included)" in header
-    row = next(line for line in text.splitlines() if line.startswith(f"| {OTHER} | A. Res"))
-    assert "n/a (not on v1)" in row and f"{summary[OTHER]['search_epsilon']:.3f}" in row
-    assert any(f"| {word}" in row for word in ("better (p", "worse (p", "inconclusive (p",
-                                                "equivalent within ±1 (p"))
+    assert "## The answer" not in (tmp_path / "c" / "README.md").read_text()
 
 
 def test_a_changed_protocol_is_refused_once_a_search_began(tmp_path):
@@ -817,21 +807,24 @@ def _paired_board_records(finished_sweep, tmp_path, deployment=True):
     return records, group
 
 
-def _v3_row(text: str, method: str) -> dict:
-    """The cells of ``method``'s row in the board's first v3 verdict table, by column name."""
-    from dpbench.board.verdicts import V3_COLUMNS
-    header = "| " + " | ".join(V3_COLUMNS) + " |"
+def _v3_row(text: str, method: str, header: str = "| method | paper |") -> dict:
+    """The cells of ``method``'s row in the board's first table whose header starts with
+    ``header`` (a v3 verdict table by default), by column name."""
     table = text[text.index(header):].split("\n\n")[0].splitlines()
+    columns = [c.strip() for c in table[0].strip().strip("|").split("|")]
     (row,) = [line for line in table[2:] if line.startswith(f"| {method} |")]
     cells = [c.strip() for c in row.strip().strip("|").split("|")]
-    assert len(cells) == len(V3_COLUMNS)
-    return dict(zip(V3_COLUMNS, cells))
+    assert len(cells) == len(columns)
+    return dict(zip(columns, cells))
+
+
+DEPLOYMENT = "| method, ε of a K-secret deployment |"  # the v3 page's privacy table
 
 
 def test_a_paired_group_gets_v3_verdicts_intervals_both_epsilons_and_a_forest_plot(
         finished_sweep, tmp_path):
     from dpbench import board
-    from dpbench.board import paired, uncertainty
+    from dpbench.board import paired
     records, group = _paired_board_records(finished_sweep, tmp_path)
     plan = json.loads((group / sweep.SEARCH_FILE).read_text())
     assert paired.is_paired(plan)  # trial 1 of dpsgd and halfclip binds the same shared draws
@@ -840,10 +833,10 @@ def test_a_paired_group_gets_v3_verdicts_intervals_both_epsilons_and_a_forest_pl
     unpaired["methods"][OTHER]["trials"][1] = [
         f"{lr} = 9.99" if b.startswith(lr) else b for b in plan["methods"][OTHER]["trials"][1]]
     assert not paired.is_paired(unpaired)
-    table = board.build(records, tmp_path / "a", claims_json=V2_CLAIMS)
+    table = board.build(records, tmp_path / "a")
     assert [r["seeds"] for r in table[GROUP]] == [3, 3]  # the selected seed 0 left out
     text = (tmp_path / "a" / "README.md").read_text()
-    assert text.index("## Headline") < text.index("| method |")  # before any table
+    assert text.index("## The answer") < text.index("| method | paper |")  # before the tables
     assert (tmp_path / "a" / "plots" / f"{GROUP}__forest.svg").exists()
     analysis = paired.analyse_group(group, {})
     seed0 = {p.parent.name: json.loads(p.read_text())["test_accuracy"]
@@ -853,13 +846,16 @@ def test_a_paired_group_gets_v3_verdicts_intervals_both_epsilons_and_a_forest_pl
                                 len(randoms))
     assert "Junk: {} of {} random trials".format(*analysis["junk"]) in (
         tmp_path / "a" / "README.md").read_text()
+    labelled = paired.apply_rule([analysis])
     other = analysis["methods"][OTHER]
-    assert other["interval"]["low"] <= other["interval"]["gain"] <= other["interval"]["high"]
+    tuned = other["tuned"]
+    assert tuned["low"] <= tuned["point"] <= tuned["high"]
     assert other["verdict"] in ("better", "worse", "equivalent", "inconclusive") or other[
         "verdict"].startswith("undecided")  # the registered rule's labels (paired.apply_rule)
-    low, high = other["p_adjusted"]  # the Holm-adjusted bounds of the hypothesis that decided
-    assert other["comparisons"] == 3 and 0 <= low <= high <= 1
-    assert other["interval"]["seed_df"] > 0 and len(other["retrains"]) == 3  # seeds 1-3, not 0
+    low, high = tuned["p_adjusted"]  # the Holm-adjusted bounds of the hypothesis that decided
+    assert labelled["comparisons"] == 3 and 0 <= low <= high <= 1
+    assert tuned["level"] == labelled["level"] == 0.05 / 3  # one simultaneous level
+    assert len(other["retrains"]) == 3  # seeds 1-3, not 0
     # everything published for halfclip (its 2 trials and 3 retrains), composed by dp_accounting's
     # PLD accountant without the board's folding of identical events
     events = [json.loads(p.read_text())["dp_event"]
@@ -870,51 +866,14 @@ def test_a_paired_group_gets_v3_verdicts_intervals_both_epsilons_and_a_forest_pl
     pld.compose(dp_event.ComposedDpEvent([accounting.event_from_json(e) for e in events]))
     assert other["published_epsilon"] == pytest.approx(pld.get_epsilon(1e-5), rel=2e-2)
     assert other["published_epsilon"] > other["deployment_epsilon"]  # 5 runs vs mean K 2, secret
-    row = _v3_row(text, OTHER)  # each epsilon in its own column
-    assert row["ε, all published (distinct runs)"] == f"{other['published_epsilon']:.3f}"
-    assert row["ε, K secret (deployment)"] == f"{other['deployment_epsilon']:.3f}"
+    row = _v3_row(text, OTHER)  # one privacy number per row: what the row's runs cost
+    assert row["ε, this row's runs"] == f"{other['published_epsilon']:.3f}"
+    assert not any("K secret" in column for column in row)  # the deployment's: under Privacy
+    (deployment,) = [v for k, v in _v3_row(text, OTHER, DEPLOYMENT).items() if k != "method, ε of a K-secret deployment"]
+    assert deployment == f"{other['deployment_epsilon']:.3f}"
     assert "Baseline check" in text and "**weaker**" not in text
-    board.build(records, tmp_path / "b", claims_json=V2_CLAIMS)
+    board.build(records, tmp_path / "b")
     assert (tmp_path / "b" / "README.md").read_text() == text
-
-
-def test_each_group_and_method_bootstraps_on_its_own_documented_stream(finished_sweep,
-                                                                       tmp_path):
-    """A verdict's bootstrap draws from the generator dpbench/board/paired.py documents, seeded
-    from the group and method names (search_space.stable_seed(group, method, "boot")): the
-    interval is the one recomputed here on that stream from the method's own outcomes, and one
-    stream for every group and method (seeded 0) gives another."""
-    from dpbench.search import space as search_space
-    from dpbench.board import paired, uncertainty
-    _, group = _paired_board_records(finished_sweep, tmp_path)
-    plan = json.loads((group / sweep.SEARCH_FILE).read_text())
-    summary = tuning.search_summary(group)
-    analysis = paired.analyse_group(group, {}, draws=400)
-    got = analysis["methods"][OTHER]["interval"]
-    base, mine = (paired.method_runs(group, plan, m, summary[m]["winner"])
-                  for m in ("dpsgd", OTHER))
-    realized = (mine["test"][summary[OTHER]["winner"]]
-                - base["test"][summary["dpsgd"]["winner"]])
-
-    def interval(seed):
-        rng = np.random.default_rng(seed)
-        selection = uncertainty.selection_draws(base["validation"], base["test"],
-                                                mine["validation"], mine["test"], draws=400,
-                                                rng=rng)
-        drawn = uncertainty.gain_interval(base["retrains"], mine["retrains"], selection,
-                                          realized, rng=rng)
-        # the rule (paired.apply_rule) replaces the printed interval by the one at the level
-        # that decided the verdict; the rest is these draws'
-        return {k: v for k, v in drawn.items() if k not in RULE_FIELDS}
-
-    def printed(interval_):
-        return {k: v for k, v in interval_.items() if k not in RULE_FIELDS}
-    RULE_FIELDS = {"gain", "low", "high", "mde", "level", "decided_by"}
-    assert printed(got) == interval(search_space.stable_seed(group.name, OTHER, "boot"))
-    other_stream = paired.analyse_group(group, {}, draws=400, bootstrap_seed=3)
-    assert printed(other_stream["methods"][OTHER]["interval"]) == interval(
-        search_space.stable_seed(group.name, OTHER, "boot", 3))
-    assert printed(got) != interval(0)
 
 
 def test_a_deployment_without_an_rdp_bound_is_shown_with_its_reason(finished_sweep, tmp_path):
@@ -926,11 +885,11 @@ def test_a_deployment_without_an_rdp_bound_is_shown_with_its_reason(finished_swe
     plan = json.loads((group / sweep.SEARCH_FILE).read_text())
     plan["trials_law"]["deployment"]["mean_random"] = 1e4
     (group / sweep.SEARCH_FILE).write_text(json.dumps(plan))
-    board.build(records, tmp_path / "a", claims_json=V2_CLAIMS)
+    board.build(records, tmp_path / "a")
     text = (tmp_path / "a" / "README.md").read_text()
-    row = _v3_row(text, OTHER)
-    assert row["ε, K secret (deployment)"].startswith("none: truncated-batch overflow")
-    assert float(row["ε, all published (distinct runs)"]) > 0
+    assert list(_v3_row(text, OTHER, DEPLOYMENT).values())[1].startswith(
+        "none: truncated-batch overflow")
+    assert float(_v3_row(text, OTHER)["ε, this row's runs"]) > 0
     assert f"{OTHER} has no 'ε, K secret': truncated-batch overflow uses up delta" in text
 
 
@@ -942,7 +901,7 @@ def test_a_superseded_search_joins_its_methods_published_epsilon(finished_sweep,
     (a superseded run that the new search repeated byte for byte: the same
     final_params_sha256) is one release and composes once: copies do not move the epsilon."""
     from dpbench import board
-    from dpbench.board import paired
+    from dpbench.board import arms, paired
     records, group = _paired_board_records(finished_sweep, tmp_path)
     before = paired.analyse_group(group, {})["methods"]
     earlier = tmp_path / "superseded" / GROUP
@@ -973,10 +932,11 @@ def test_a_superseded_search_joins_its_methods_published_epsilon(finished_sweep,
     assert after["dpsgd"]["published_epsilon"] == pytest.approx(pld.get_epsilon(1e-5),
                                                                 rel=2e-2)
     assert after["dpsgd"]["published_epsilon"] > before["dpsgd"]["published_epsilon"] * 1.1
-    assert _v3_row(text, OTHER)["ε, all published (distinct runs)"] == f"{after[OTHER]['published_epsilon']:.3f}"
+    assert _v3_row(text, OTHER)["ε, this row's runs"] == (
+        f"{after[OTHER]['published_epsilon']:.3f}")
     # a run listed twice composes once, wherever it was published
-    runs = paired.method_runs(group, json.loads((group / sweep.SEARCH_FILE).read_text()),
-                              "dpsgd", 0)["runs"]
+    runs = list(arms.read_arm(group, json.loads((group / sweep.SEARCH_FILE).read_text()),
+                              "dpsgd").runs)
     assert paired.published_epsilon(runs + [runs[0]], 1e-5) == paired.published_epsilon(
         runs, 1e-5)
 
@@ -1033,9 +993,8 @@ def test_the_baseline_check_fires_on_a_recorded_stronger_dp_sgd(finished_sweep, 
     text = (tmp_path / "a" / "README.md").read_text()
     assert "**weaker**" in text and "99.55" in text
     # no deployment law: no secret-K epsilon, while the published one is a number
-    row = _v3_row(text, OTHER)
-    assert row["ε, K secret (deployment)"] == "n/a"
-    assert float(row["ε, all published (distinct runs)"]) > 0
+    assert list(_v3_row(text, OTHER, DEPLOYMENT).values())[1] == "n/a"
+    assert float(_v3_row(text, OTHER)["ε, this row's runs"]) > 0
 
 
 def test_a_sweep_mode_is_a_subcommand_that_stands_for_its_flag():

@@ -1,4 +1,5 @@
-"""The board's intervals: selection (paired bootstrap, winners re-selected) + seed noise (t)."""
+"""The tuned gain's draws (board/v3_rule.tuned_draws over board/uncertainty.py's pieces):
+selection (paired bootstrap, winners re-selected) + seed noise (Welch, Student t)."""
 
 import itertools
 
@@ -7,7 +8,33 @@ import pytest
 import scipy.optimize
 import scipy.stats
 
-from dpbench.board import uncertainty
+from dpbench.board import uncertainty, v3_rule
+from dpbench.search import tuning
+
+
+def _cell(val_a, test_a, val_b, test_b, seeds_a, seeds_b):
+    """A comparison of B with A as the board reads it (winners chosen on validation)."""
+    def arm(val, test, seeds):
+        return v3_rule.Arm(list(val), list(test), tuning.choose_trial(dict(enumerate(val))),
+                           list(seeds), None)
+    return v3_rule.Cell("g", "b", 1.0, "m", arm(val_a, test_a, seeds_a),
+                        arm(val_b, test_b, seeds_b), True, None)
+
+
+def selection_draws(val_a, test_a, val_b, test_b, draws):
+    """The selection part alone (fractions): identical retrains on both sides (no seed part),
+    the realized gain added back; a resample where a method has no finished trial is nan."""
+    cell = _cell(val_a, test_a, val_b, test_b, [0.5, 0.5], [0.5, 0.5])
+    realized = test_b[cell.mine.winner] - test_a[cell.base.winner]
+    return v3_rule.tuned_draws(cell, draws, int(np.random.default_rng().integers(1 << 30))
+                               ) / 100 + realized
+
+
+def gain_interval(seeds_a, seeds_b, val_a, test_a, val_b, test_b, draws, level=0.95):
+    d = v3_rule.tuned_draws(_cell(val_a, test_a, val_b, test_b, seeds_a, seeds_b), draws,
+                            int(np.random.default_rng().integers(1 << 30))) / 100
+    lo, hi = np.percentile(d, [50 * (1 - level), 100 - 50 * (1 - level)])
+    return dict(low=lo, high=hi)
 
 
 def _small_case(rng):
@@ -45,9 +72,7 @@ def test_the_interval_matches_brute_force_on_a_small_case():
     width = 10 * (se + np.ptp(exact))
     want = [scipy.optimize.brentq(lambda x: cdf(x) - p, gain - width, gain + width)
             for p in (0.025, 0.975)]
-    draws = uncertainty.selection_draws(val_a, test_a, val_b, test_b, draws=40000, rng=rng)
-    got = uncertainty.gain_interval(seeds_a, seeds_b, draws, realized, rng=rng)
-    assert got["gain"] == pytest.approx(np.mean(seeds_b) - np.mean(seeds_a))
+    got = gain_interval(seeds_a, seeds_b, val_a, test_a, val_b, test_b, 40000)
     # Monte Carlo error of 40,000 draws: the exact binomial law of the order statistics at each
     # case's mixture gives false failures ~5e-8 averaged over 30,000 simulated cases (9e-5 in
     # the worst of them)
@@ -64,24 +89,22 @@ def test_resampling_is_paired_keeps_trial_0_and_reselects_the_winner():
     exact = _exact_selection(val, test_a, val, test_b)
     assert set(np.round(exact, 6)) == {0.0, 0.4}
     rng = np.random.default_rng()
-    draws = uncertainty.selection_draws(val, test_a, val, test_b, draws=20000, rng=rng)
+    draws = selection_draws(val, test_a, val, test_b, 20000)
     p_without_2 = (1 / 2) ** 2  # no index 2 among the 2 redrawn random trials
     # 4.6 binomial sds of 20,000 draws (0.014): false failures 4e-6 (scipy.stats.binom)
-    assert np.mean(np.isclose(draws, 0.0)) == pytest.approx(p_without_2, abs=0.014)
+    assert np.mean(np.isclose(draws, 0.0, atol=1e-9)) == pytest.approx(p_without_2, abs=0.014)
     idx = uncertainty.resampled_trials(5, 1000, rng)
     assert np.all(idx[:, 0] == 0) and np.all(idx[:, 1:] >= 1) and idx.max() == 4
     # the recipe wins a resample where it is best on validation: never dropped
-    only_recipe = uncertainty.selection_draws([0.9, 0.1, 0.2], [0.7, 0.0, 0.0],
-                                              [0.9, 0.1, 0.2], [0.8, 0.0, 0.0], draws=500,
-                                              rng=rng)
+    only_recipe = selection_draws([0.9, 0.1, 0.2], [0.7, 0.0, 0.0], [0.9, 0.1, 0.2],
+                                  [0.8, 0.0, 0.0], 500)
     assert np.allclose(only_recipe, 0.1)
 
 
 def test_a_diverged_trial_is_never_reselected():
     val_a, val_b = [None, 0.5, 0.6], [0.7, float("nan"), 0.6]
     test_a, test_b = [0.99, 0.5, 0.6], [0.7, 0.99, 0.6]
-    draws = uncertainty.selection_draws(val_a, test_a, val_b, test_b, draws=2000,
-                                        rng=np.random.default_rng())
+    draws = selection_draws(val_a, test_a, val_b, test_b, 2000)
     assert np.all(draws < 0.5)  # neither 0.99 ever enters
     # and the resamples did happen and re-select: A's winner is trial 1 or 2 (0.5 / 0.6), B's
     # always its trial 0 (0.7, in every resample), so the gains 0.2 and 0.1 both occur (each
@@ -103,7 +126,8 @@ def test_the_seed_part_uses_student_t_with_welch_df(seeds):
     # Welch's s.e. from its definition, not from the code under test
     assert se == pytest.approx(np.sqrt(np.var(a, ddof=1) / seeds + np.var(b, ddof=1) / seeds))
     assert gain == pytest.approx(np.mean(b) - np.mean(a))
-    got = uncertainty.gain_interval(a, b, np.zeros(60000), 0.0, rng=rng)
+    same = [0.8, 0.7, 0.6]  # one winner in every resample: no selection spread
+    got = gain_interval(a, b, same, same, same, same, 60000)
     q = scipy.stats.t.ppf(0.975, df)
     half = q * se
     assert half > 2.4 * se
@@ -122,52 +146,6 @@ def test_welch_on_a_known_case():
     gain, se, df = uncertainty.welch([0.0, 1.0], [1.0, 3.0])
     assert (gain, se) == (pytest.approx(1.5), pytest.approx(np.sqrt(1.25)))
     assert df == pytest.approx(1.25 ** 2 / (0.25 ** 2 + 1.0))
-
-
-def test_labels_say_better_worse_equivalent_or_inconclusive():
-    cell = dict(gain=0.01, low=0.001, high=0.02, low90=0.003, high90=0.018)
-    assert uncertainty.label(cell, p_adjusted=0.01) == "better"
-    assert uncertainty.label(dict(cell, gain=-0.01), p_adjusted=0.01) == "worse"
-    # an interval excluding zero is not enough once corrected for the board's comparisons
-    assert uncertainty.label(cell, p_adjusted=0.2) == "inconclusive"
-    narrow = dict(gain=0.001, low=-0.008, high=0.009, low90=-0.006, high90=0.007)
-    assert uncertainty.label(narrow, p_adjusted=0.8) == "equivalent within ±1"
-    wide = dict(narrow, low90=-0.012)
-    assert uncertainty.label(wide, p_adjusted=0.8) == "inconclusive"
-
-
-def test_holm_on_a_known_case():
-    """p = (0.01, 0.04, 0.03, 0.005), m = 4: sorted 0.005 x 4 = 0.02, 0.01 x 3 = 0.03,
-    0.03 x 2 = 0.06, 0.04 x 1 = 0.04 -> 0.06 (monotone)."""
-    got = uncertainty.holm({"a": 0.01, "b": 0.04, "c": 0.03, "d": 0.005})
-    assert got == pytest.approx({"d": 0.02, "a": 0.03, "c": 0.06, "b": 0.06})
-    assert uncertainty.holm({"x": 0.7, "y": 0.9}) == {"x": 1.0, "y": 1.0}
-
-
-def test_the_interval_reports_its_monte_carlo_error_p_value_and_detectable_gain():
-    """No selection spread, seed part normal-ish (df large): the p-value of 'no gain' is the
-    t law's two-sided tail at gain / s.e., the minimum detectable gain is (1.96 + 0.84) s.e.,
-    and the ends' Monte Carlo error shrinks like 1/sqrt(draws)."""
-    rng = np.random.default_rng()
-    a = np.full(50, 0.8)
-    a[::2] = 0.79  # s.d. 0.00505
-    b = a + 0.002  # the same spread, gain 0.002 = 1.98 s.e.: p near 0.05; Welch df 98
-    gain, se, df = uncertainty.welch(a, b)
-    got = uncertainty.gain_interval(a, b, np.zeros(100_000), 0.0, rng=rng)
-    want_p = 2 * scipy.stats.t.sf(abs(gain) / se, df)
-    assert 0.03 < want_p < 0.07  # a p-value the check can miss, not one pinned at its floor
-    # 100,000 draws: the p-value's binomial sd is 0.0007 here; 0.004 is 5.8 sds: false
-    # failures 7e-9; a p-value off by a factor 2 (one-sided) fails
-    assert got["p_value"] == pytest.approx(want_p, abs=0.004)
-    assert got["p_mc_error"] == pytest.approx(np.sqrt(want_p * (1 - want_p / 2) * 2 / 1e5),
-                                              rel=0.2)
-    sd = np.sqrt(df / (df - 2)) * se  # the t law's s.d.
-    # the sample s.d. of 100,000 draws of a t_98 law: relative sd ~0.0023; 2% is 8.7 sds
-    assert got["mde"] == pytest.approx((1.959964 + 0.841621) * sd, rel=0.02)
-    assert 0 < got["mc_error"] < 0.05 * (got["high"] - got["low"])
-    fewer = uncertainty.gain_interval(a, b, np.zeros(4_000), 0.0, rng=rng)
-    assert fewer["mc_error"] > got["mc_error"]  # 25x the draws: ~5x smaller (sd of batch
-    # means of 20 batches; their ratio falls below 1 with probability < 1e-9, F law 19, 19)
 
 
 def test_paired_trial_gains_take_the_median_and_a_sign_test():

@@ -99,3 +99,40 @@ def test_the_same_records_give_the_same_bytes():
     cells = board(rng, {"up": 1.5})
     a, b = v4.analyse(cells, ANALYSIS, seed=7), v4.analyse(cells, ANALYSIS, seed=7)
     assert a == b
+
+
+def test_every_interval_is_at_one_level_and_a_label_it_does_not_show_carries_its_step():
+    """Fresh random boards of many cells near and far from the thresholds: every printed
+    interval is at the family's first Holm level (alpha / m a side); a label (or a claim's)
+    is 'shown' exactly when its interval says it by itself, and a decided label that is not
+    shown carries its interval at the Holm level that decided it, which does show it. At most one
+    level per estimand: the MDE is at it too."""
+    rng = np.random.default_rng()
+    gains = {f"m{i}": float(g) for i, g in enumerate(rng.uniform(-4, 4, 10))}
+    claims = {m: float(rng.uniform(-1, 3)) for m in gains}
+    cells = board(rng, gains, claims=claims)
+    cells = [c._replace(mine=c.mine._replace(retrains=list(
+        np.array(c.mine.retrains) + rng.normal(0, 0.004, 4)))) for c in cells]
+    out = v4.analyse(cells, ANALYSIS, seed=int(rng.integers(1 << 30)))
+    level = ANALYSIS["family"]["alpha"] / out["comparisons"]
+    assert out["level"] == level
+    seen = set()
+    for (_, method), row in out["cells"].items():
+        for estimand in ("tuned", "paired"):
+            t = row[estimand]
+            assert t["level"] == level and t["low"] <= t["point"] <= t["high"]
+            shows = v4.interval_label(t["low"], t["high"], ANALYSIS["margin_points"])
+            assert t["shown"] == (shows == t["label"])
+            decided = t["label"] in ("better", "worse", "equivalent")
+            assert ("step" in t) == (decided and not t["shown"])
+            if "step" in t:
+                step = t["step"]
+                assert step["level"] >= level and step["low"] >= t["low"] - 1e-9
+                assert v4.interval_label(step["low"], step["high"], 1.0) == t["label"]
+            seen.add(t["shown"])
+            if "claim" in t:
+                c = t["claim"]
+                assert c["shown"] == ((t["high"] < c["low"]) == (c["label"] == "claim excluded"))
+                if not c["shown"] and c["label"] == "claim excluded":
+                    assert c["step_high"] < c["low"]
+    assert True in seen

@@ -21,6 +21,8 @@ packages=()
 # Debian's python3 makes venvs only with python3-venv (ensurepip); without it `venv` fails
 # after creating a half venv with no pip
 "$PY" -c "import ensurepip" 2>/dev/null || packages+=(python3-venv)
+# the tests lay the board's page out in a real browser (tests/browser.py): Debian's Chromium
+case "$extras" in *test*) command -v chromium >/dev/null || packages+=(chromium) ;; esac
 if [ "${#packages[@]}" -gt 0 ]; then
   $SUDO apt-get update -qq
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${packages[@]}" >/dev/null

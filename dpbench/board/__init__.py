@@ -16,20 +16,22 @@ decide which configuration gets the extra seeds.
 The same records always give the same bytes (sorted order, fixed formats, SVG without dates).
 ``<records>/NOTE.md``, when present, is shown at the top of the board (its caveats).
 
-The package: ``results`` (load, validate, choose on validation, summarize), ``render`` (one
-table per group, to Markdown and HTML), ``plots``, ``verdicts``, ``build`` (the command).
+The package: ``results`` (load, validate, choose on validation, summarize), ``render`` (a
+page's blocks to Markdown and HTML; one table per group), ``plots``, ``paired`` and
+``v3_page`` (a paired board's labels and page), ``v4`` and ``v4_page`` (a registered board's),
+``build`` (the command).
 """
 
 from dpbench.board.build import INPUTS_FILE, board_inputs, build, main, parse_args, run_board
 from dpbench.board.plots import plot_expected_best, plot_groups
-from dpbench.board.render import SELECTION_RULE, render_html, render_markdown
+from dpbench.board.render import SELECTION_RULE
 from dpbench.board.results import (BASELINE, LeaderboardError, choose_configuration, config_key,
                                    config_label, load_audits, load_perf, load_records,
                                    searches_in_progress, summarize, unrankable_reason)
-from dpbench.board.verdicts import v1_gains, verdict_tables, verdicts
+from dpbench.board.verdicts import earlier_gains
 
 __all__ = ["BASELINE", "INPUTS_FILE", "LeaderboardError", "SELECTION_RULE", "board_inputs",
-           "build", "choose_configuration", "config_key", "config_label", "load_audits",
-           "load_perf", "load_records", "main", "parse_args", "plot_expected_best", "plot_groups",
-           "render_html", "render_markdown", "run_board", "searches_in_progress", "summarize",
-           "unrankable_reason", "v1_gains", "verdict_tables", "verdicts"]
+           "build", "choose_configuration", "config_key", "config_label", "earlier_gains",
+           "load_audits", "load_perf", "load_records", "main", "parse_args",
+           "plot_expected_best", "plot_groups", "run_board", "searches_in_progress",
+           "summarize", "unrankable_reason"]

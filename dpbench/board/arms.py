@@ -1,5 +1,6 @@
-"""A board's published runs read per arm and cell: what board v4's analysis (board/v4.py) and
-the rule board v3's page applies (board/v3_rule.py) both read."""
+"""A board's published runs read per arm and cell: the one reader of a method's runs, what board
+v4's analysis (board/v4.py), board v3's page (board/paired.py, board/v3_rule.py) and the
+published epsilons all read."""
 
 from __future__ import annotations
 
@@ -25,6 +26,10 @@ class Arm(NamedTuple):
     parameters: Optional[int]
     coordinates: Optional[np.ndarray] = None
     devices: frozenset = frozenset()  # (device kind, JAX version) of its records
+    # every published run as (identity, DpEvent) (``run_identity``): the K trials (a diverged
+    # one at the event search.json planned for it: it ran on private data, and that it
+    # diverged is published), then the retrains
+    runs: tuple = ()
 
 
 class Cell(NamedTuple):
@@ -73,9 +78,20 @@ def read_arm(group_dir: Path, plan: dict, method: str, space=None) -> Arm:
                                 space.coordinates(*board_model.record_config(r))
                                 for r in trials])
     finished = [r for r in trials if r is not None]
+    runs = tuple([(f"diverged:{method}-t{t}", tuning.planned_event(plan, method, t))
+                  if r is None else (run_identity(r, f"{method}-t{t}"), r["dp_event"])
+                  for t, r in enumerate(trials)]
+                 + [(run_identity(r, f"{method}-retrain{i}"), r["dp_event"])
+                    for i, r in enumerate(run_records)])
     return Arm(validation, [None if r is None else r["test_accuracy"] for r in trials], winner,
                retrains, finished[0].get("model_parameters") if finished else None,
-               coordinates, frozenset(device_of(r) for r in finished + run_records))
+               coordinates, frozenset(device_of(r) for r in finished + run_records), runs)
+
+
+def run_identity(record: dict, where: str) -> str:
+    """A run's trajectory: its final parameters' sha256 (two records with the same one are one
+    run published twice); a record without one is its own run."""
+    return record.get("final_params_sha256") or f"record:{where}"
 
 
 def device_of(record: dict) -> tuple:

@@ -1,5 +1,6 @@
-"""``dpbench leaderboard``: records -> the board (README.md, index.html, plots), regenerated
-byte-identical from the same inputs."""
+"""``dpbench board``: records -> the board (README.md, index.html, plots), regenerated
+byte-identical from the same inputs; a registered board (analysis.json beside its records) by
+board/v4_page.py, a frozen one (an archive) never."""
 
 from __future__ import annotations
 
@@ -8,32 +9,31 @@ import os
 import sys
 from pathlib import Path
 
-
-from dpbench.search import methods, registration
 from dpbench import records as records_lib
-from dpbench.search import tuning
-from dpbench.board import frozen, paired
+from dpbench.board import arms, frozen, paired, render, v3_page, v4_page
 from dpbench.board.plots import plot_expected_best, plot_forest, plot_groups
-from dpbench.board.render import render_html, render_markdown
 from dpbench.board.results import (BASELINE, LeaderboardError, config_key,
                                    load_audits, load_perf, load_records, searches_in_progress,
                                    summarize)
+from dpbench.board.verdicts import baseline_text, best_recorded_baseline, earlier_gains
+from dpbench.cli_args import FlagParser
+from dpbench.search import methods, registration, tuning
 from dpbench.search.tuning import GROUP_PATTERN
-from dpbench.board.verdicts import (baseline_text, best_recorded_baseline, v1_gains,
-                                    v3_table, verdict_tables, verdicts)
+
+TITLE = "dpbench leaderboard"
 
 
-def build(records_dir, out_dir, audits_dir=None, perf_json=None, claims_json=None,
-          v1_records=None, methods_dirs=(methods.BOARD_METHODS,), history=(),
-          earlier_records=None, superseded=None) -> dict:
+def build(records_dir, out_dir, audits_dir=None, perf_json=None,
+          methods_dirs=(methods.BOARD_METHODS,), history=(), earlier_records=None,
+          superseded=None) -> dict:
     """Validates the records and writes README.md, index.html and plots/ into ``out_dir``.
-    Each method's paper and claim come from its folder under ``methods_dirs``; ``claims_json``
-    adds the hand-written 'what changed' sentences of board groups. A group searched with
-    paired trials gets board v3's verdicts (``paired.analyse_group``) and a forest plot at the
-    top; ``history`` (earlier boards' record folders) feeds its baseline check and
-    ``earlier_records`` (the previous board's) the gains it is compared with; ``superseded``
-    (group folders of searches a group's space was revised after) joins each such group's
-    published epsilons."""
+    Each method's paper and claim come from its folder under ``methods_dirs``. The groups
+    searched with paired trials get board v3's page first (board/v3_page.py: the answer, what
+    it rests on, figures, verdict tables, privacy), labelled in one family
+    (``paired.apply_rule``); every group's configuration table follows. ``history`` (earlier
+    boards' record folders) feeds the baseline check and ``earlier_records`` (the previous
+    board's) the gains it is compared with; ``superseded`` (group folders of searches a group's
+    space was revised after) joins each such group's published epsilons."""
     out_dir = Path(out_dir)
     running = searches_in_progress(Path(records_dir))
     finished = [r for r in load_records(Path(records_dir)) if r["_group"] not in running]
@@ -48,26 +48,21 @@ def build(records_dir, out_dir, audits_dir=None, perf_json=None, claims_json=Non
             "trial and every winner's seed is published): " + "; ".join(
                 f"`{group}` {done} of {expected} runs" for group, (done, expected)
                 in sorted(running.items())) + ".\n"
-    claims = dict(what_changed=json.loads(Path(claims_json).read_text()).get(
-        "what_changed", {}) if claims_json else {}, methods=methods.claims(methods_dirs))
+    claims = methods.claims(methods_dirs)
     older = [dict(r, _set=str(d)) for d in history for r in load_records(Path(d))]
-    headline = _paired_verdicts(table, finished, older, claims, out_dir, earlier_records,
-                                superseded)
-    if headline:
-        headline[0]["totals"] = totals_text(dataset_totals(headline, older))
-    v2_table = {g: rows for g, rows in table.items() if g not in {h["group"] for h in headline}}
-    v2_verdicts = verdicts(v2_table, claims, v1_gains(v1_records))
-    tables = verdict_tables(v2_verdicts)
-    shown = {v["method"] for rows in v2_verdicts.values() for v in rows} | {
-        m for h in headline for m, r in h["analysis"]["methods"].items() if "interval" in r}
-    for method in sorted(shown - set(claims["methods"])):
+    paired_part = _paired_blocks(table, finished, older, claims, out_dir, earlier_records,
+                                 superseded, note)
+    shown = {m for rows in table.values() for r in rows for m in [r["method"]]}
+    for method in sorted(shown - set(claims) - {BASELINE}):
         print(f"dpbench board: warning: no method folder for '{method}' in "
               f"{[str(d) for d in methods_dirs]}: its paper and claim show as n/a; pass the "
               "folder holding it with --methods_dirs", file=sys.stderr)
-    records_lib.atomic_write_text(out_dir / "README.md", render_markdown(
-        table, plots, note, trial_plots, tables, headline))
-    records_lib.atomic_write_text(out_dir / "index.html", render_html(
-        table, plots, note, trial_plots, tables, headline))
+    blocks = [("h", 1, TITLE), ("p", "Generated by `dpbench board` from the run records "
+                                     "under `records/` (do not edit by hand).")]
+    blocks += paired_part or render.note_blocks(note)
+    blocks += render.group_blocks(table, plots, trial_plots)
+    records_lib.atomic_write_text(out_dir / "README.md", render.markdown(blocks))
+    records_lib.atomic_write_text(out_dir / "index.html", render.html_page(TITLE, blocks))
     return table
 
 
@@ -96,14 +91,13 @@ def _own_baseline_key(finished, group):
     return (THIS_BOARD, keys.pop()) if len(keys) == 1 else None
 
 
-def _paired_verdicts(table, finished, older, claims, out_dir, earlier_records,
-                     superseded=None) -> list:
-    """[{group, forest, baseline, table}] for every finished group whose search is paired; the
-    verdicts Holm-corrected over every comparison of the board."""
+def _paired_blocks(table, finished, older, claims, out_dir, earlier_records,
+                   superseded, note) -> list:
+    """Board v3's page for every finished group whose search is paired ([] when none is):
+    each group read once, every comparison labelled in one Holm family, once."""
     group_dirs = {r["_group"]: Path(r["_path"]).parent.parent for r in finished}
     known = [dict(r, _set=THIS_BOARD) for r in finished] + list(older)
-    earlier = v1_gains(earlier_records)
-    analyses = []
+    analyses, notes = [], {}
     for group in sorted(_paired_groups(finished) & set(table)):
         m = GROUP_PATTERN.match(group)
         best = best_recorded_baseline(known, m["dataset"], m["model"], float(m["eps"]),
@@ -114,27 +108,27 @@ def _paired_verdicts(table, finished, older, claims, out_dir, earlier_records,
         if earlier_search is not None and not earlier_search.is_dir():
             earlier_search = None
         try:
-            analysis = paired.analyse_group(group_dirs[group], claims["methods"], best,
+            analysis = paired.analyse_group(group_dirs[group], claims, best,
                                             superseded_dir=earlier_search)
         except (tuning.SearchRecordError, ValueError) as e:
             raise LeaderboardError(f"{group}: {e}") from e
-        analyses.append((analysis, earlier_search))
-    paired.apply_rule([a for a, _ in analyses])  # one family: every comparison on the board
-    out = []
-    for analysis, earlier_search in analyses:
-        out.append(dict(group=analysis["group"], forest=plot_forest(analysis, out_dir),
-                        baseline=baseline_text(analysis["baseline"]) + " "
+        analyses.append(analysis)
+        notes[group] = (baseline_text(analysis["baseline"]) + " "
                         + junk_text(analysis["junk_breakdown"])
                         + _superseded_text(analysis, earlier_search, out_dir)
-                        + _deployment_text(analysis) + _seed_text(analysis),
-                        table=v3_table(analysis, earlier), analysis=analysis))
-    return out
+                        + _deployment_text(analysis) + _twice_text(analysis))
+    if not analyses:
+        return []
+    board = paired.apply_rule(analyses)  # one family: every comparison on the board
+    forests = {a["group"]: plot_forest(a, render.setting_words(a["group"], dataset=True),
+                                       1 - 2 * board["level"], out_dir) for a in analyses}
+    return v3_page.blocks(analyses, board, forests, earlier_gains(earlier_records), notes,
+                          totals_text(dataset_totals(analyses, older)), note)
 
 
-def _seed_text(analysis: dict) -> str:
-    """How the seed part was estimated, and any run published twice that composes once."""
-    text = (" Seed part: Welch per comparison (the rule's variance model: each arm's own "
-            "variance, no data-dependent gate).")
+def _twice_text(analysis: dict) -> str:
+    """Any run published twice, which composes once."""
+    text = ""
     twice = {m: r["duplicate_runs"] for m, r in sorted(analysis["methods"].items())
              if r.get("duplicate_runs")}
     if twice:
@@ -143,20 +137,20 @@ def _seed_text(analysis: dict) -> str:
     return text
 
 
-def dataset_totals(headline, older=()) -> list:
+def dataset_totals(analyses, older=()) -> list:
     """Per dataset: the PLD epsilon of every distinct run the board publishes about its images
     (every paired group's runs, superseded searches included), and with the earlier boards'
     runs (``older``: their records) too; each run once, composed as if its noise were fresh."""
     runs, deltas = {}, {}
-    for h in headline:
-        match = GROUP_PATTERN.match(h["group"])
+    for a in analyses:
+        match = GROUP_PATTERN.match(a["group"])
         deltas.setdefault(match["dataset"], set()).add(float(match["delta"]))
-        for r in h["analysis"]["methods"].values():
+        for r in a["methods"].values():
             runs.setdefault(match["dataset"], []).extend(r["published_runs"])
     out = []
     for dataset, board_runs in sorted(runs.items()):
         delta = max(deltas[dataset])
-        earlier = [(paired.run_identity(r, r["_path"]), r["dp_event"]) for r in older
+        earlier = [(arms.run_identity(r, r["_path"]), r["dp_event"]) for r in older
                    if r["dataset"] == dataset and r.get("dp_event") is not None]
         mine, everything = (paired.distinct_events(board_runs),
                             paired.distinct_events(board_runs + earlier))
@@ -211,12 +205,12 @@ BOARD = methods.REPO_ROOT / "leaderboard"
 # A committed board's inputs besides its records, paths relative to its folder: the board and
 # every archived board keep one, so each regenerates from what it was built with.
 INPUTS_FILE = "board.json"
-_PATH_INPUTS = ("audits", "claims", "v1_records", "perf", "earlier_records", "superseded")
+_PATH_INPUTS = ("audits", "perf", "earlier_records", "superseded")
 
 
 def board_inputs(board_dir) -> dict:
     """The inputs ``board_dir``/board.json names ({} when it has none: a user's board), as
-    absolute paths: audits, claims, v1_records, perf, earlier_records (one each) and history
+    absolute paths: audits, perf, earlier_records (one each) and history
     (earlier boards' record folders), superseded (searches a group's space was revised
     after, in group folders). A name it does not know, or a path that is missing, is
     an error: a board is never rebuilt without an input it was built with."""
@@ -243,12 +237,11 @@ def resolve_paths(args) -> str | None:
     records/...); every input not given on the command line comes from board.json in that
     folder (the committed boards have one; a user's board has none, so nothing of the
     committed board's is mixed in). A path given but missing is an error (returned)."""
-    args.out = args.out or str(Path(args.records).resolve().parent)
     try:
         inputs = board_inputs(Path(args.records).resolve().parent)
     except LeaderboardError as e:
         return str(e)
-    for name in ("audits", "claims", "v1_records", "perf"):
+    for name in ("audits", "perf"):
         given = getattr(args, name)
         if given is None:
             setattr(args, name, None if inputs.get(name) is None else str(inputs[name]))
@@ -264,7 +257,6 @@ def resolve_paths(args) -> str | None:
 
 def parse_args(argv=None):
     """``dpbench board``'s flags (``argv``: default the process's)."""
-    from dpbench.cli_args import FlagParser
     parser = FlagParser("dpbench board", "The leaderboard: run records in, README.md + "
                         "index.html + plots out.")
     parser.add_argument("--records", default=str(BOARD / "records"),
@@ -276,13 +268,6 @@ def parse_args(argv=None):
     parser.add_argument("--audits", default=None,
                         help="audit reports (dpbench audit --out=...), matched per pipeline and "
                              "epsilon (default: the board folder's board.json)")
-    parser.add_argument("--claims", default=None,
-                        help="the sentences on what changed per group and method, for the "
-                             "verdicts (default: the board folder's board.json; each paper's "
-                             "claim comes from its method folder)")
-    parser.add_argument("--v1_records", default=None,
-                        help="board v1's records: its gains go next to v2's in the verdicts "
-                             "(default: the board folder's board.json)")
     parser.add_argument("--perf", default=None,
                         help="the speed benchmark's JSON (python -m benchmarks.speed "
                              "--out=X.md; default: the board folder's board.json)")
@@ -303,11 +288,8 @@ def main(argv=None) -> int:
 
 def run_board(args) -> int:
     """Builds (and with --freeze freezes) the board the parsed flags name; the exit code."""
-    problem = resolve_paths(args)
-    if problem:
-        print(f"dpbench: error: {problem}", file=sys.stderr)
-        return 2
-    if frozen.frozen_spec(args.out) is not None:
+    args.out = args.out or str(Path(args.records).resolve().parent)
+    if frozen.frozen_spec(args.out) is not None:  # before its inputs: an archive reads none
         problems = frozen.check_frozen(args.out)
         print(f"dpbench: error: {args.out} is a frozen board (an archive: board.json holds "
               "the hashes of its files and records, and today's code would render it "
@@ -315,11 +297,15 @@ def run_board(args) -> int:
                                                        else "; ".join(problems) + "."),
               file=sys.stderr)
         return 2
+    problem = resolve_paths(args)
+    if problem:
+        print(f"dpbench: error: {problem}", file=sys.stderr)
+        return 2
     if registration.analysis_path(args.records).exists():  # a registered board (v4 on)
         return _run_registered(args)
     try:
-        table = build(args.records, args.out, args.audits, args.perf, args.claims,
-                      args.v1_records, [*args.methods_dirs, methods.BOARD_METHODS],
+        table = build(args.records, args.out, args.audits, args.perf,
+                      [*args.methods_dirs, methods.BOARD_METHODS],
                       history=args.history, earlier_records=args.earlier_records,
                       superseded=args.superseded)
     except (LeaderboardError, methods.MethodError) as e:
@@ -336,7 +322,6 @@ def run_board(args) -> int:
 def _run_registered(args) -> int:
     """A board with a registered analysis: rendered with it (board/v4_page.py) beside its
     records, or refused, saying why."""
-    from dpbench.board import v4_page
     if Path(args.out).resolve() != Path(args.records).resolve().parent:
         print("dpbench: error: a registered board is rendered beside its records (leave out "
               "--out)", file=sys.stderr)

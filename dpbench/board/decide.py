@@ -33,7 +33,7 @@ class Decision(NamedTuple):
 def holm_adjusted(p) -> np.ndarray:
     """Holm's step-down adjusted p-values, in the input's order: the i-th smallest p times
     (m - i), made monotone, capped at 1 (ties kept in input order). The board's one Holm
-    (uncertainty.holm is its dict form); scipy offers Benjamini-Hochberg only, which controls
+    ; scipy offers Benjamini-Hochberg only, which controls
     the false discovery rate, not the chance of any false label."""
     p = np.asarray(p, float)
     order = np.argsort(p, kind="stable")

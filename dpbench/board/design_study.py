@@ -26,6 +26,7 @@ import numpy as np
 from dpbench.board import board_model as bm
 from dpbench.board import decide, ideal
 from dpbench.board.gains import TLaw
+from dpbench.search.methods import claim_range
 
 BASELINE = bm.BASELINE
 LIKE_RS = "rs"  # BandMF has no record to fit: simulated with RS's relation, without its offset
@@ -66,7 +67,6 @@ V3_NULL = Scenario("v3 heterogeneity, no gain", heterogeneous=True, offsets=Fals
 
 def claim_lows(claims: dict, epsilon: float) -> dict:
     """method -> the smallest gain its paper claims at ``epsilon`` (methods.claim_range)."""
-    from dpbench.search.methods import claim_range
     out = {}
     for method, claim in claims.items():
         low = claim_range(claim.get("claim_gain"), epsilon)

@@ -13,6 +13,8 @@ import hashlib
 import json
 from pathlib import Path
 
+from dpbench import records as records_lib
+
 RENDERED = ("README.md", "index.html")
 
 
@@ -54,6 +56,5 @@ def freeze(board_dir) -> dict:
     path = Path(board_dir) / "board.json"
     spec = json.loads(path.read_text()) if path.exists() else {}
     spec["frozen"] = freeze_spec(board_dir)
-    from dpbench import records as records_lib
     records_lib.atomic_write_text(path, json.dumps(spec, indent=2) + "\n")
     return spec["frozen"]

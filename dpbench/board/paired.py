@@ -1,24 +1,25 @@
 """Board v3's verdicts, for a group searched with paired trials: per method, its gain over DP-SGD
-with an interval that includes the search, the verdict word, the paired win rate, both epsilons;
-per group, the baseline check.
+labelled by the rule board v4 first registered (board/v3_rule.py), the paired win rate (a
+description), the epsilon of what the board publishes; per group, the baseline check and what
+the verdicts rest on (K, the seeds, the devices).
 
 A group qualifies when its ``search.json`` pairs its trials: every method that keeps a shared
 knob binds the same value for it in trial j (``is_paired`` checks the bindings themselves, so a
-group is never taken for paired on a flag's word). Otherwise the v2 verdicts apply.
+group is never taken for paired on a flag's word).
 
-What is read, per method (all from published records):
-- the K search trials on seed 0: validation (selects) and test (what the selection gain reads);
-- the winner's retrains on the other seeds: the reported accuracy and the seed part (seed 0, the
-  selected seed, is left out: its accuracy is biased upward by the selection);
-- every run's DpEvent: the epsilon of everything the board publishes for the method (PLD
-  composition of its distinct runs, the K trials and the retrains, each trajectory once, as if
-  each run had drawn fresh noise; ``published_epsilon``), beside the
-  Papernot-Steinke epsilon of a deployment that keeps K secret (``tuning.search_summary``);
-  a group whose space was revised after a first search (the board's ``superseded`` folder
-  holds that search's runs) composes the method's superseded runs in too: the search that
-  ranks was chosen after seeing them.
-The bootstrap's generator is seeded from the group and method names: the same records give the
-same bytes.
+What is read, per method (board/arms.py, the one reader of a method's runs): the K search
+trials on seed 0 (validation selects; test is what the selection gain reads), the winner's
+retrains on the other seeds (the reported accuracy; seed 0, the selected seed, is biased upward
+and left out) and every run's DpEvent: the epsilon of everything the board publishes for the
+method (PLD composition of its distinct runs, each trajectory once, as if each had drawn fresh
+noise; ``published_epsilon``), beside the Papernot-Steinke epsilon of a deployment that keeps K
+secret (``tuning.search_summary``). A group whose space was revised after a first search (the
+board's ``superseded`` folder) composes the method's superseded runs in too: the search that
+ranks was chosen after seeing them.
+
+``analyse_group`` reads a group; ``apply_rule`` labels every group of a board in one family,
+once (the rule's bootstrap draws from streams seeded by the group and method names: the same
+records give the same bytes).
 """
 
 from __future__ import annotations
@@ -29,16 +30,14 @@ from pathlib import Path
 import numpy as np
 
 from dpbench import records
+from dpbench.board import arms, uncertainty, v3_rule
+from dpbench.board.results import BASELINE
+from dpbench.board.verdicts import baseline_check
 from dpbench.search import junk as search_junk
 from dpbench.search import methods
 from dpbench.search import space as search_space
 from dpbench.search import tuning
-from dpbench.board import uncertainty, v3_rule
-from dpbench.board.results import BASELINE
 from dpbench.search.tuning import GROUP_PATTERN
-from dpbench.board.verdicts import baseline_check
-
-DRAWS = 100_000  # bootstrap draws per gain; each interval prints its ends' Monte Carlo error
 
 
 def is_paired(plan: dict) -> bool:
@@ -58,38 +57,6 @@ def is_paired(plan: dict) -> bool:
     return True
 
 
-def _outcome(group_dir: Path, method: str, trial: int, seed) -> dict | None:
-    record, _ = tuning.trial_outcome(group_dir, method, trial, seed)
-    return record
-
-
-def run_identity(record: dict, where: str) -> str:
-    """A run's trajectory: its final parameters' sha256 (two records with the same one are one
-    run published twice); a record without one is its own run."""
-    return record.get("final_params_sha256") or f"record:{where}"
-
-
-def method_runs(group_dir: Path, plan: dict, method: str, winner: int) -> dict:
-    """validation/test of the K seed-0 trials (None: diverged), the winner's retrain test
-    accuracies, and every published run as (identity, DpEvent) (``run_identity``): a trial that
-    diverged counts at the event search.json planned for it (it ran on private data, and that
-    it diverged is published)."""
-    seeds = plan["seeds"]
-    trials = [_outcome(group_dir, method, t, seeds[0]) for t in range(plan["num_trials"])]
-    retrains = [_outcome(group_dir, method, winner, s) for s in seeds[1:]]
-    if any(r is None for r in retrains):
-        raise tuning.SearchRecordError(f"{group_dir}: a retrain of {method}'s winner diverged; "
-                                       "its seed part is undefined")
-    return dict(validation=[None if r is None else r["validation_accuracy"] for r in trials],
-                test=[None if r is None else r["test_accuracy"] for r in trials],
-                retrains=[r["test_accuracy"] for r in retrains],
-                runs=[(f"diverged:{method}-t{t}", tuning.planned_event(plan, method, t))
-                      if r is None else (run_identity(r, f"{method}-t{t}"), r["dp_event"])
-                      for t, r in enumerate(trials)] + [
-                    (run_identity(r, f"{method}-retrain{i}"), r["dp_event"])
-                    for i, r in enumerate(retrains)])
-
-
 def superseded_runs(superseded_dir, method: str) -> list:
     """(identity, DpEvent) of ``method``'s runs in a superseded search of the group (every
     published run record under ``superseded_dir``, any trial and seed; none without the
@@ -102,7 +69,7 @@ def superseded_runs(superseded_dir, method: str) -> list:
         if not path.exists():
             continue
         record = json.loads(path.read_text())
-        out.append((run_identity(record, str(path)), record["dp_event"]))
+        out.append((arms.run_identity(record, str(path)), record["dp_event"]))
     return out
 
 
@@ -143,59 +110,53 @@ def coarse_epsilon(events, delta: float) -> float:
 RULE = methods.REPO_ROOT / "leaderboard" / "v3-rule.json"
 
 
-def apply_rule(analyses, rule: dict | None = None, seed: int = 0) -> None:
-    """Labels every comparison of ``analyses`` (analyse_group's dicts: one group, or a whole
-    board) by the rule (board/v3_rule.py on the tuned gain; ``rule``: an analysis, default
-    :data:`RULE`'s): better / worse / equivalent within the margin, and the paper's claim, one
-    Holm family over all of them, each label settled by decide.py's Monte Carlo rule or
-    'undecided at N draws'. Each row's interval becomes the one at the Holm level that decided
-    its label, its MDE the gain that level detects with 80% power. ``seed``: another Monte
-    Carlo stream (a label must not depend on it)."""
+def apply_rule(analyses, rule: dict | None = None, seed: int = 0) -> dict:
+    """Labels every comparison of ``analyses`` (analyse_group's dicts: the whole board) by the
+    rule (board/v3_rule.py on the tuned gain; ``rule``: an analysis, default :data:`RULE`'s):
+    better / worse / equivalent within the margin, and the paper's claim, one Holm family over
+    all of them, each label settled by decide.py's Monte Carlo rule or 'undecided at N draws'.
+    Each row gets v3_rule's description of its tuned gain (``verdict``: its label; the
+    interval at the family's one simultaneous level). ``seed``: another Monte Carlo stream (a
+    label must not depend on it). Returns {"comparisons", "draws", "level", "margin"}."""
     rule = rule or json.loads(RULE.read_text())
     cells = []
     for a in analyses:
         base = a["methods"][BASELINE]["arm"]
         model = GROUP_PATTERN.match(a["group"])["model"]
         cells += [v3_rule.Cell(a["group"], m, a["epsilon"], model, base, r["arm"], r["shares"],
-                          v3_rule.claim_low(r["claim_range"]))
+                               v3_rule.claim_low(r["claim_range"]))
                   for m, r in sorted(a["methods"].items()) if m != BASELINE]
     out = v3_rule.analyse(cells, rule, seed, estimands=("tuned",))
     for a in analyses:
         for method, r in a["methods"].items():
-            if (a["group"], method) not in out["cells"]:
-                continue
-            t = out["cells"][(a["group"], method)]["tuned"]
-            r.update(verdict=t["label"], p_adjusted=t["p_adjusted"],
-                     comparisons=out["comparisons"], draws=out["draws"],
-                     claim_label=t.get("claim", {}).get("label"),
-                     interval=dict(r["interval"], gain=t["point"] / 100, low=t["low"] / 100,
-                                   high=t["high"] / 100, mde=t["mde"] / 100,
-                                   level=1 - 2 * t["level"], decided_by=t["decided_by"]))
+            if (a["group"], method) in out["cells"]:
+                tuned = out["cells"][(a["group"], method)]["tuned"]
+                r.update(verdict=tuned["label"], tuned=tuned)
+    return dict(comparisons=out["comparisons"], draws=out["draws"], level=out["level"],
+                margin=float(rule["margin_points"]))
 
 
-def analyse_group(group_dir, claims: dict, baseline_best=None, draws: int = DRAWS,
-                  superseded_dir=None, bootstrap_seed: int = 0) -> dict:
-    """The v3 verdicts of one finished paired group: {"methods": {method: {...}}, "baseline":
-    baseline_check's dict, "paired": True}, labelled by the registered rule over the group's own
-    comparisons (a board relabels over all of its groups: ``apply_rule``). ``superseded_dir``:
-    the runs of an earlier search of this group whose results its space was revised after
-    (their runs join each method's published epsilon). ``bootstrap_seed`` picks another
-    Monte Carlo stream (0: the board's; a verdict must not depend on it)."""
+def analyse_group(group_dir, claims: dict, baseline_best=None, superseded_dir=None) -> dict:
+    """One finished paired group, read (not yet labelled: ``apply_rule`` labels a board's
+    groups together): {"methods": {method: {...}}, "baseline": baseline_check's dict,
+    "design": {"trials", "seeds", "devices"}, "junk", "junk_breakdown", "epsilon", "group"}.
+    ``superseded_dir``: the runs of an earlier search of this group whose results its space was
+    revised after (their runs join each method's published epsilon)."""
     group_dir = Path(group_dir)
     plan = json.loads((group_dir / tuning.SEARCH_FILE).read_text())
     summary = tuning.search_summary(group_dir)
     if BASELINE not in summary:
         raise tuning.SearchRecordError(f"{group_dir}: no {BASELINE} search to compare against")
     epsilon = float(GROUP_PATTERN.match(group_dir.name)["eps"])
-    runs = {m: method_runs(group_dir, plan, m, s["winner"]) for m, s in summary.items()}
-    base, base_winner = runs[BASELINE], summary[BASELINE]["winner"]
+    read = {m: arms.read_arm(group_dir, plan, m) for m in summary}
+    base = read[BASELINE]
     out = {}
     for method, s in summary.items():
-        mine = runs[method]
+        mine = read[method]
         earlier = superseded_runs(superseded_dir, method)
-        published = mine["runs"] + earlier
-        row = dict(winner=s["winner"], num_trials=s["num_trials"],
-                   retrains=mine["retrains"], mean=float(np.mean(mine["retrains"])),
+        published = list(mine.runs) + earlier
+        row = dict(winner=mine.winner, num_trials=s["num_trials"],
+                   retrains=mine.retrains, mean=float(np.mean(mine.retrains)),
                    published_epsilon=published_epsilon(published, plan["delta"]),
                    published_runs=published, superseded_runs=len(earlier),
                    duplicate_runs=len(published) - len(distinct_events(published)),
@@ -204,25 +165,15 @@ def analyse_group(group_dir, claims: dict, baseline_best=None, draws: int = DRAW
                    claim=claims.get(method, {}),
                    claim_range=methods.claim_range(claims.get(method, {}).get("claim_gain"),
                                                    epsilon),
-                   arm=v3_rule.Arm(mine["validation"], mine["test"], s["winner"], mine["retrains"],
-                              None), shares=v3_rule.shares_keys(plan, method))
-        if method != BASELINE:
-            stream = ("boot",) if bootstrap_seed == 0 else ("boot", bootstrap_seed)
-            rng = np.random.default_rng(search_space.stable_seed(group_dir.name, method,
-                                                                 *stream))
-            selection = uncertainty.selection_draws(
-                base["validation"], base["test"], mine["validation"], mine["test"],
-                draws=draws, rng=rng)
-            realized = mine["test"][s["winner"]] - base["test"][base_winner]
-            interval = uncertainty.gain_interval(base["retrains"], mine["retrains"], selection,
-                                                 realized, rng=rng)
-            row.update(interval=interval, paired_gains=uncertainty.paired_trial_gains(
-                base["test"], mine["test"], range(1, plan["num_trials"])))
+                   arm=mine, shares=arms.shares_keys(plan, method))
+        if method != BASELINE:  # a method whose trials share no knob with DP-SGD's: none
+            row["paired_gains"] = uncertainty.paired_trial_gains(
+                base.test, mine.test, range(1, plan["num_trials"])) if row["shares"] else None
         out[method] = row
-    check = baseline_check(base["retrains"], baseline_best)
     junk = search_junk.junk_breakdown(group_dir)
-    analysis = dict(methods=out, baseline=check, paired=True, epsilon=epsilon,
-                    group=group_dir.name, junk=(junk["junk"], junk["random"]),
-                    junk_breakdown=junk)
-    apply_rule([analysis], seed=bootstrap_seed)
-    return analysis
+    devices = sorted({kind for arm in read.values() for kind, _ in arm.devices})
+    return dict(methods=out, baseline=baseline_check(base.retrains, baseline_best),
+                epsilon=epsilon, group=group_dir.name, junk=(junk["junk"], junk["random"]),
+                junk_breakdown=junk,
+                design=dict(trials=plan["num_trials"], seeds=list(plan["seeds"]),
+                            devices=devices))

@@ -1,13 +1,40 @@
-"""The board rendered: one table per group, to Markdown (README.md) and HTML (index.html)."""
+"""The board rendered: a page is a list of blocks (headings, paragraphs, lists, tables,
+images), written once to Markdown (README.md) and to HTML (index.html) by the same code; the
+per-group configuration tables are this module's own blocks.
+
+Blocks: ("h", level, text), ("p", markdown), ("ul", [markdown, ...]), ("img", path, alt) and
+("table", columns, rows, {"link_last": bool, "fold": int}); markdown text may use **bold**,
+`code` and [text](url).
+"""
 
 from __future__ import annotations
 
 import html
 import re
 
-from dpbench.board.verdicts import V3_COLUMNS, VERDICT_COLUMNS, gain_text
+from dpbench.search.tuning import GROUP_PATTERN
 
 
+DATASET_WORDS = {"fashion_mnist": "Fashion-MNIST", "mnist": "MNIST", "cifar10": "CIFAR-10",
+                 "svhn_cropped": "SVHN"}
+MODEL_WORDS = {"tanh_cnn": "the tanh CNN", "scatter_linear": "ScatterNet + linear",
+               "scatter_cnn": "ScatterNet + CNN", "wrn": "WRN-16-4"}
+
+
+def setting_words(group: str, dataset: bool = False) -> str:
+    """A group in words: its model and epsilon (and its dataset when asked)."""
+    m = GROUP_PATTERN.match(group)
+    if m is None:
+        return group
+    model = MODEL_WORDS.get(m["model"], m["model"])
+    where = f", {DATASET_WORDS.get(m['dataset'], m['dataset'])}" if dataset else ""
+    return f"{model}{where}, ε {float(m['eps']):g}"
+
+
+def gain_text(gain, se) -> str:
+    if gain is None:
+        return "n/a"
+    return f"{100 * gain:+.2f}" + ("" if se is None else f" ± {100 * se:.2f}")
 
 
 def _fmt(value, spec, missing="n/a"):
@@ -89,11 +116,11 @@ def html_table(columns, rows, link_last: bool = False, fold: int = 0) -> list:
     (details/summary), so the table stays one screen wide."""
     lines = ["<table><tr>" + "".join(f"<th>{html.escape(c)}</th>" for c in columns) + "</tr>"]
     for raw in rows:
-        cells = [html.escape(c) for c in raw]
+        cells = [_keep_numbers(html.escape(c)) for c in raw]
         if link_last:
-            cells[-1] = f"<a href='{cells[-1]}'>record</a>"
+            cells[-1] = f"<a href='{html.escape(raw[-1])}'>record</a>"
         if fold and len(raw[1]) > fold:
-            short = html.escape(raw[1][:fold - 10])  # never cut an entity
+            short = _keep_numbers(html.escape(raw[1][:fold - 10]))  # never cut an entity
             cells[1] = f"<details><summary>{short}…</summary>{cells[1]}</details>"
         lines.append("<tr>" + "".join(f"<td>{c}</td>" for c in cells) + "</tr>")
     return lines + ["</table>"]
@@ -114,138 +141,98 @@ def _trials_cell(search) -> str:
     return f"{search['num_trials']} (1 + J, J ~ {name}, mean {law['mean_random']:g})"
 
 
-HEADLINE = (
-    "One sentence per column of the verdict tables. 'gain, seeds 1-4': the method's mean test "
-    "accuracy over its chosen configuration's retrain seeds minus DP-SGD's, in points (seed 0, "
-    "the selected one, is biased upward and left out). 'interval (incl. search)': the "
-    "percentiles of bootstrap draws of that gain with the search's luck (trial 0 kept, the "
-    "random trials resampled in pairs, both winners re-selected on validation) and each arm's "
-    "seed noise (Welch, Student t), at the level of the Holm step that decided the verdict. "
-    "'verdict': the rule board v4 first registered before its data (commit 305f934, kept as "
-    "leaderboard/v3-rule.json; board v4 has since replaced it after a design study, "
-    "leaderboard/v4/study/), applied to this board after its data (this board's own rule was "
-    "chosen after seeing it): "
-    "better, worse, or equivalent within ±1 point (two one-sided tests), each a hypothesis "
-    "rejected under one Holm correction over every hypothesis on the board (the papers' claims "
-    "included); each bootstrap p bounded by Clopper-Pearson and more draws taken until every "
-    "verdict is settled, so no verdict depends on the random stream that computed it (else "
-    "'undecided at N draws'); p shown: the bound that decided it. Inconclusive means the "
-    "board could not tell, not that the methods are alike. 'the claim': 'claim excluded' "
-    "where the gain is shown below the smallest gain the paper claims, else 'consistent'. "
-    "'min. detectable gain': the gain the verdict's test would call at its Holm level with "
-    "80% power. 'paired per-trial gain': over the random trials, which share their draws across methods, the median of the method's test "
-    "accuracy minus DP-SGD's in the same trial, wins-losses, and the two-sided sign test's p. "
-    "'ε, K secret (deployment)': the Papernot-Steinke epsilon of a deployment that runs "
-    "`dpbench sweep --secret_trial_count` (J drawn in secret from the declared law, every "
-    "trial on its own OS-drawn seed, only the winner released); the board's own runs are "
-    "benchmarks with recorded seeds, not that deployment. 'ε, all published': every distinct "
-    "run the board publishes for the method (each trajectory once), composed with PLD as if "
-    "each had drawn fresh noise; the board's seeded runs of a group share seed 0's stream, "
-    "which composition does not model. 'paper' and 'paper's claim': from the method's folder "
-    "(its method.json). 'earlier board's gain': board v2's gain ± s.e. for the same model and "
-    "epsilon. The shaded band of each plot is the paper's own claim, the hollow diamond the "
-    "paired per-trial median.")
-
-
-def _headline_markdown(headline) -> list:
-    if not headline:
-        return []
-    lines = ["## Headline: gains over DP-SGD, with the search's luck included", "",
-             HEADLINE + headline[0].get("totals", ""), ""]
-    for h in headline:
-        lines += [f"### {h['group']}", "", f"![gains over DP-SGD]({h['forest']})", "",
-                  h["baseline"], ""]
-    for h in headline:
-        title, cells = h["table"]
-        lines += [f"## {title}", "", *markdown_table(V3_COLUMNS, cells), ""]
-    return lines
-
-
-def _headline_html(headline) -> list:
-    if not headline:
-        return []
-    parts = ["<h2>Headline: gains over DP-SGD, with the search's luck included</h2>",
-             f"<p class='note'>{html.escape(HEADLINE + headline[0].get('totals', ''))}</p>"]
-    for h in headline:
-        parts += [f"<h3>{html.escape(h['group'])}</h3>",
-                  f"<img src='{html.escape(h['forest'])}' alt='gains over DP-SGD for "
-                  f"{html.escape(h['group'])}'>",
-                  f"<p class='note'>{_inline_markdown(h['baseline'])}</p>"]
-    for h in headline:
-        title, cells = h["table"]
-        parts += _titled_html(title, html_table(V3_COLUMNS, cells))
-    return parts
-
-
-def _titled_html(title: str, table: list) -> list:
-    return [f"<h2>{html.escape(title)}</h2>" + table[0], *table[1:]]
-
-
-def render_markdown(table: dict, plots: dict, note: str = "", trial_plots=None,
-                    verdicts=None, headline=None) -> str:
-    lines = ["# dpbench leaderboard", "",
-             "Generated by `dpbench board` from the run records under `records/` (do not "
-             "edit by hand).", "", *_headline_markdown(headline), SELECTION_RULE,
-             "- **Other columns.** 'configs tried' counts that method's configurations (tuning "
-             "is not free in privacy terms). cos(release, clean) and noise/signal are "
-             "non-private diagnostics (means over training) where the runs recorded them. Step "
-             "time vs DP-SGD is the speed benchmark's ratio at the run's batch size "
-             "(`PERF.md`); x† marks a ratio of the runs' own median step times per example (no "
-             "benchmark row; the batch sizes may differ), given only where both methods' runs "
-             "ran on one kind of device (else n/a).", ""]
-    if note:
-        lines += [note.strip(), ""]
-    for title, cells in verdicts or []:
-        lines += [f"## {title}", "", *markdown_table(VERDICT_COLUMNS, cells), ""]
+def group_blocks(table: dict, plots: dict, trial_plots: dict) -> list:
+    """Every group's configuration table (with its plots), after the selection rule."""
+    blocks = [("h", 2, "Each group's configurations"),
+              ("ul", [line[2:] for line in SELECTION_RULE.splitlines()] + [OTHER_COLUMNS])]
     for group, rows in table.items():
-        lines += [f"## {group}", ""]
+        blocks.append(("h", 3, group))
         if group in plots:
-            lines += [f"![accuracy vs epsilon]({plots[group]})", ""]
-        if group in (trial_plots or {}):
-            lines += [f"![expected best validation accuracy vs trials]({trial_plots[group]})",
-                      ""]
-        lines += markdown_table(COLUMNS, [_cells(row) for row in rows], link_last=True)
-        lines.append("")
+            blocks.append(("img", plots[group], f"accuracy vs epsilon for {group}"))
+        if group in trial_plots:
+            blocks.append(("img", trial_plots[group],
+                           f"expected best validation accuracy vs trials for {group}"))
+        blocks.append(("table", COLUMNS, [_cells(row) for row in rows],
+                       dict(link_last=True, fold=LONG)))
+    return blocks
+
+
+OTHER_COLUMNS = (
+    "**Other columns.** 'configs tried' counts that method's configurations (tuning is not free "
+    "in privacy terms). cos(release, clean) and noise/signal are non-private diagnostics (means "
+    "over training) where the runs recorded them. Step time vs DP-SGD is the speed benchmark's "
+    "ratio at the run's batch size (`PERF.md`); x† marks a ratio of the runs' own median step "
+    "times per example (no benchmark row; the batch sizes may differ), given only where both "
+    "methods' runs ran on one kind of device (else n/a).")
+
+
+def markdown(blocks: list) -> str:
+    lines = []
+    for block in blocks:
+        kind = block[0]
+        if kind == "h":
+            lines += ["#" * block[1] + " " + block[2], ""]
+        elif kind == "p":
+            lines += [block[1].strip(), ""]
+        elif kind == "ul":
+            lines += [f"- {item}" for item in block[1]] + [""]
+        elif kind == "img":
+            lines += [f"![{block[2]}]({block[1]})", ""]
+        elif kind == "table":
+            lines += markdown_table(block[1], block[2], block[3].get("link_last", False)) + [""]
+        else:
+            raise ValueError(f"unknown block {kind!r}")
     return "\n".join(lines)
 
 
+# Numbers never break: a cell wraps only at its spaces (no overflow-wrap: anywhere), and a
+# number's characters (digits, sign, point, %) give the browser no break opportunity.
+STYLE = ("body{font-family:sans-serif;margin:2em}table{border-collapse:collapse}"
+         "td,th{border:1px solid #999;padding:4px 8px;text-align:right}"
+         "td:first-child{text-align:left}img{max-width:100%}"
+         "td{max-width:28em}.note{max-width:60em}.n{white-space:nowrap}")
+
+
+def html_page(title: str, blocks: list) -> str:
+    parts = ["<!DOCTYPE html>", "<html lang='en'><head><meta charset='utf-8'>",
+             f"<title>{html.escape(title)}</title>", f"<style>{STYLE}</style></head><body>"]
+    for block in blocks:
+        kind = block[0]
+        if kind == "h":
+            parts.append(f"<h{block[1]}>{html.escape(block[2])}</h{block[1]}>")
+        elif kind == "p":
+            parts.append(f"<p class='note'>{_inline_markdown(block[1])}</p>")
+        elif kind == "ul":
+            parts.append("<ul class='note'>" + "".join(
+                f"<li>{_inline_markdown(item)}</li>" for item in block[1]) + "</ul>")
+        elif kind == "img":
+            parts.append(f"<img src='{html.escape(block[1])}' alt='{html.escape(block[2])}'>")
+        elif kind == "table":
+            parts += html_table(block[1], block[2], block[3].get("link_last", False),
+                                block[3].get("fold", 0))
+        else:
+            raise ValueError(f"unknown block {kind!r}")
+    parts.append("</body></html>")
+    return "\n".join(parts) + "\n"
+
+
+# A number in scientific notation (1.9e-07) is the one a browser may break: after its hyphen.
+_SCIENTIFIC = re.compile(r"\d[\d.]*e[-+]?\d+")
+
+
+def _keep_numbers(text: str) -> str:
+    """Escaped text with each number in scientific notation kept on one line."""
+    return _SCIENTIFIC.sub(lambda m: f"<span class='n'>{m[0]}</span>", text)
+
+
+def note_blocks(note: str) -> list:
+    """The board's caveats (records/NOTE.md), one paragraph block each."""
+    return [("p", paragraph) for paragraph in re.split(r"\n\s*\n", note.strip()) if note.strip()]
+
+
 def _inline_markdown(text: str) -> str:
-    """The note's markdown as HTML: escaped, lines joined, **bold**, `code` and [text](url)."""
-    text = html.escape(" ".join(line.strip() for line in text.splitlines()))
+    """Markdown text as HTML: escaped, lines joined, **bold**, `code` and [text](url)."""
+    text = _keep_numbers(html.escape(" ".join(line.strip() for line in text.splitlines())))
     text = re.sub(r"\*\*(.+?)\*\*", r"<strong>\1</strong>", text)
     text = re.sub(r"\[([^\]]+)\]\(([^)\s]+)\)", r"<a href='\2'>\1</a>", text)
     return re.sub(r"`(.+?)`", r"<code>\1</code>", text)
-
-
-def render_html(table: dict, plots: dict, note: str = "", trial_plots=None,
-                verdicts=None, headline=None) -> str:
-    parts = ["<!DOCTYPE html>", "<html lang='en'><head><meta charset='utf-8'>",
-             "<title>dpbench leaderboard</title>",
-             "<style>body{font-family:sans-serif;margin:2em}table{border-collapse:collapse}"
-             "td,th{border:1px solid #999;padding:4px 8px;text-align:right}"
-             "td:first-child{text-align:left}img{max-width:720px}"
-             "td{max-width:28em;overflow-wrap:anywhere}"  # text columns wrap, never overflow
-             ".note{max-width:60em}</style></head><body>",
-             "<h1>dpbench leaderboard</h1>", *_headline_html(headline),
-             "<ul class='note'>" + "".join(f"<li>{_inline_markdown(line[2:])}</li>"
-                                           for line in SELECTION_RULE.splitlines()) + "</ul>",
-             "<p>Generated from run records by <code>dpbench board</code>. Step time vs "
-             "DP-SGD: the speed benchmark's ratio at the run's batch size (PERF.md); x† marks "
-             "the runs' own step times per example, given only where both methods' runs ran "
-             "on one kind of device.</p>"]
-    if note:
-        parts += [f"<p class='note'>{_inline_markdown(paragraph)}</p>"
-                  for paragraph in re.split(r"\n\s*\n", note.strip())]
-    for title, cells in verdicts or []:
-        parts += _titled_html(title, html_table(VERDICT_COLUMNS, cells))
-    for group, rows in table.items():
-        parts.append(f"<h2>{html.escape(group)}</h2>")
-        if group in plots:
-            parts.append(f"<img src='{html.escape(plots[group])}' alt='accuracy vs epsilon "
-                         f"for {html.escape(group)}'>")
-        if group in (trial_plots or {}):
-            parts.append(f"<img src='{html.escape(trial_plots[group])}' alt='expected best "
-                         f"validation accuracy vs trials for {html.escape(group)}'>")
-        parts += html_table(COLUMNS, [_cells(row) for row in rows], link_last=True, fold=LONG)
-    parts.append("</body></html>")
-    return "\n".join(parts) + "\n"

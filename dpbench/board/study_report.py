@@ -21,9 +21,12 @@ from pathlib import Path
 import numpy as np
 import scipy.stats
 
+from dpbench import records
 from dpbench.board import board_model as bm
 from dpbench.board import design_study as ds
+from dpbench.board import study_page
 from dpbench.board.gains import slope_law
+from dpbench.search.methods import claims as method_claims
 
 REPO = Path(__file__).resolve().parents[2]
 METHODS = ["dpsgd", "rs", "dpssgd", "gip", "randomk", "nasr", "gep", "bgep", "bandmf"]
@@ -211,7 +214,6 @@ def gpu_cost(design: ds.Design, rung_trials: int) -> dict:
 def study(boards: int, seed: int, workers: int) -> dict:
     """The whole study (README.md's numbers): both designs under every scenario, the chosen
     design's K sweep and power check, and its ladder."""
-    from dpbench.search.methods import claims as method_claims
     model = bm.fit_board(REPO / "leaderboard" / "records")
     claims = method_claims()
     out = dict(model=model.as_json(), boards=boards, seed=seed, designs={},
@@ -265,11 +267,9 @@ def main(argv=None) -> None:
     result["wall_s"] = round(time.time() - start, 1)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    from dpbench import records
     text = json.dumps(result, indent=1, sort_keys=True, default=lambda o: o.item())
     records.atomic_write_text(out / "study.json", text + "\n")
     result = json.loads(text)  # the page reads what the file holds
-    from dpbench.board import study_page
     records.atomic_write_text(out / "README.md", study_page.render(result, args))
     print(f"study written to {out} in {result['wall_s']} s")
 

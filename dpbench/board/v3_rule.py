@@ -233,15 +233,35 @@ def _label(kinds: dict, draws: int) -> str:
     return "inconclusive"
 
 
+def interval_label(low: float, high: float, margin: float) -> str:
+    """The label an interval shows by itself (the order _label decides in): what a reader
+    concludes from the printed bar."""
+    if low > 0:
+        return "better"
+    if high < 0:
+        return "worse"
+    if -margin < low and high < margin:
+        return "equivalent"
+    return "inconclusive"
+
+
 def analyse(cells: list, analysis: dict, seed: int = 0,
             estimands: tuple = ("tuned", "paired")) -> dict:
     """The board's labels: {"cells": {(group, method): {estimand: {...}}}, "slopes": {method:
-    {...}}, "draws", "comparisons"}; each estimand's point, label, interval and MDE (at the Holm
-    level of the hypothesis that decided it; when none did, of 'better' or 'worse', whichever
-    the data lean to), and the claim's label."""
+    {...}}, "draws", "comparisons", "level"}. Each estimand's point, label and the Holm bounds
+    on the adjusted p of the hypothesis that decided it (when none did, of 'better' or 'worse',
+    whichever the data lean to; ``floor``: none of the first look's draws fell on its null's
+    side, so the bound is the least those draws can show), and one interval for every row at
+    the family's first Holm level (alpha / m a side: simultaneous), with the MDE at that level.
+    Holm steps down, so a label can be decided at a looser level than the simultaneous
+    interval shows: such a row (``shown`` False, its label decided) carries ``step``, its
+    interval at the level that decided it. The claim's label likewise, with ``shown`` and its one-sided bound at its
+    own step."""
     family = hypotheses(cells, analysis, seed, estimands)
     decision = decide_family(family, analysis)
     alpha, power = float(analysis["family"]["alpha"]), float(analysis["mde"]["power"])
+    margin = float(analysis["margin_points"])
+    simultaneous = alpha / max(len(family), 1)
     levels = holm_levels(decision, alpha)
     by_key = {h.key: (h, label, level) for h, label, level
               in zip(family, decision.labels, levels)}
@@ -249,7 +269,7 @@ def analyse(cells: list, analysis: dict, seed: int = 0,
               in zip(family, decision.adjusted_low, decision.adjusted_high)}
     first = int(analysis["monte_carlo"]["schedule"][0])
     out: dict = {"cells": {}, "slopes": {}, "draws": decision.draws,
-                 "comparisons": len(family)}
+                 "comparisons": len(family), "level": simultaneous}
     for cell in cells:
         row = {}
         for estimand in ("tuned", "paired"):
@@ -262,16 +282,29 @@ def analyse(cells: list, analysis: dict, seed: int = 0,
             deciding = label if label in kinds else min(  # the side the data lean to
                 ("better", "worse"), key=lambda k: bounds[key + (k,)][1])
             h, _, level = by_key[key + (deciding,)]
+            drawn = h.draws(first)
             point = cell.tuned_point() if estimand == "tuned" else float(
                 np.mean(paired_differences(cell)))
+            interval = summary(drawn, simultaneous, power)
             row[estimand] = dict(point=point, label=label, decided_by=deciding,
                                  p_adjusted=bounds[h.key],
-                                 **summary(h.draws(first), level, power))
+                                 floor=bool(h.null_side(drawn) == 0), **interval)
+            row[estimand]["shown"] = interval_label(interval["low"], interval["high"],
+                                                    margin) == label
+            if not row[estimand]["shown"] and label in kinds:  # decided at a later step
+                step = summary(drawn, level, power)
+                row[estimand]["step"] = dict(low=step["low"], high=step["high"], level=level)
             if "claim" in kinds:
+                ch, _, claim_level = by_key[key + ("claim",)]
+                excluded = kinds["claim"] == "reject"
                 row[estimand]["claim"] = dict(
-                    low=cell.claim_low, label={"reject": "claim excluded",
-                                               "retain": "consistent"}.get(
-                        kinds["claim"], f"undecided at {decision.draws:,} draws"))
+                    low=cell.claim_low, p_adjusted=bounds[ch.key],
+                    floor=bool(ch.null_side(drawn) == 0),
+                    label={"reject": "claim excluded", "retain": "consistent"}.get(
+                        kinds["claim"], f"undecided at {decision.draws:,} draws"),
+                    shown=(interval["high"] < cell.claim_low) == excluded,
+                    step_high=summary(drawn, claim_level, power)["high"],
+                    step_level=claim_level)
         row["unpaired"] = "paired" not in row
         out["cells"][(cell.group, cell.method)] = row
     for method, rungs in ladders(cells).items():
@@ -280,5 +313,5 @@ def analyse(cells: list, analysis: dict, seed: int = 0,
             point=slope_point(rungs), rungs=[(c.mine.parameters, c.tuned_point()) for c in rungs],
             label={"reject": "grows", "retain": "no growth shown"}.get(
                 label, f"undecided at {decision.draws:,} draws"),
-            **summary(h.draws(first), level, power))
+            **summary(h.draws(first), simultaneous, power))
     return out

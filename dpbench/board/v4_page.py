@@ -10,14 +10,16 @@ the tables, where descriptive columns say so. It prints the registration's commi
 
 from __future__ import annotations
 
-import io
 import json
 from pathlib import Path
 
 import numpy as np
 
 from dpbench import records as records_lib
-from dpbench.board import v4
+from dpbench.board import paired, plots, v4
+from dpbench.board.render import setting_words
+from dpbench.board.results import load_records
+from dpbench.board.verdicts import baseline_check, best_recorded_baseline
 from dpbench.search import methods as methods_lib
 from dpbench.search import registration
 from dpbench.search import tuning
@@ -47,21 +49,7 @@ def _eps(x: float) -> str:
 
 
 def _group_words(group: str) -> str:
-    """A group in words: its model and epsilon."""
-    m = tuning.GROUP_PATTERN.match(group)
-    if m is None:
-        return group
-    model = MODEL_WORDS.get(m["model"], m["model"])
-    dataset = DATASET_WORDS.get(m["dataset"], m["dataset"])
-    return f"{model}, {dataset}, ε {float(m['eps']):g}"
-
-
-DATASET_WORDS = {"fashion_mnist": "Fashion-MNIST", "mnist": "MNIST", "cifar10": "CIFAR-10",
-                 "svhn_cropped": "SVHN"}
-
-
-MODEL_WORDS = {"tanh_cnn": "the tanh CNN", "scatter_linear": "ScatterNet + linear",
-               "scatter_cnn": "ScatterNet + CNN", "wrn": "WRN-16-4"}
+    return setting_words(group, dataset=True)
 
 
 def _decision(row: dict) -> str:
@@ -113,13 +101,9 @@ def design_lines(analysis: dict, out: dict) -> list:
 
 
 def _plot_gains(out: dict, path: Path) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    matplotlib.rcParams["svg.hashsalt"] = "dpbench"
     rows = sorted(out["cells"].items())
-    colours = {"better": "tab:green", "worse": "tab:red", "inconclusive": "tab:gray"}
-    fig, ax = plt.subplots(figsize=(9, 0.35 * len(rows) + 2.0))
+    colours = {k: plots.LABEL_COLOURS[k] for k in ("better", "worse", "inconclusive")}
+    fig, ax = plots.figure(9, 0.35 * len(rows) + 2.0)
     for y, ((group, method), row) in enumerate(rows):
         p = row["paired"]
         ax.errorbar(p["point"], y, xerr=[[p["point"] - p["low"]], [p["high"] - p["point"]]],
@@ -134,16 +118,12 @@ def _plot_gains(out: dict, path: Path) -> None:
     ax.set_yticks(range(len(rows)), [f"{m} · {_group_words(g)}" for (g, m), _ in rows],
                   fontsize=7)
     ax.set_xlabel("gain over DP-SGD (test accuracy points)")
-    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=2)
-    _save(fig, path)
+    plots.legend_outside(ax, ncol=2)
+    plots.save_svg(fig, path)
 
 
 def _plot_ladder(out: dict, path: Path) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    matplotlib.rcParams["svg.hashsalt"] = "dpbench"
-    fig, ax = plt.subplots(figsize=(7, 5))
+    fig, ax = plots.figure(7, 5)
     for method, slope in sorted(out["slopes"].items()):
         params, gains = zip(*slope["rungs"])
         line, = ax.plot(params, gains, "o-", label=f"{method}: slope {_pts(slope['point'])}/"
@@ -156,47 +136,28 @@ def _plot_ladder(out: dict, path: Path) -> None:
     ax.set_xlabel("model parameters (log scale)")
     ax.set_ylabel("paired gain over DP-SGD (points)")
     ax.set_title("The dimension ladder: dots, each rung's gain; dotted, the fitted slope")
-    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.15), ncol=1)
-    _save(fig, path)
+    plots.legend_outside(ax)
+    plots.save_svg(fig, path)
 
 
-def _save(fig, path: Path) -> None:
-    import matplotlib.pyplot as plt
-    buffer = io.StringIO()
-    fig.tight_layout()
-    fig.savefig(buffer, format="svg", metadata={"Date": None})
-    plt.close(fig)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    records_lib.atomic_write_text(path, buffer.getvalue())
-
-
-def published_epsilons(records_dir: Path, plans: dict, cells: list) -> dict:
+def published_epsilons(plans: dict, cells: list) -> dict:
     """(group, method) -> the epsilon of everything the board publishes for the method in the
-    group, tuning included: its K trials and its retrains, each distinct run once, composed
-    with PLD (board/paired.published_epsilon)."""
-    from dpbench.board import paired
-    out = {}
-    for cell in cells:
-        plan = plans[cell.group]
-        runs = paired.method_runs(Path(records_dir) / cell.group, plan, cell.method,
-                                  cell.mine.winner)["runs"]
-        out[(cell.group, cell.method)] = paired.published_epsilon(runs, plan["delta"])
-    return out
+    group, tuning included: its K trials and its retrains (the arm's runs), each distinct run
+    once, composed with PLD (board/paired.published_epsilon)."""
+    return {(c.group, c.method): paired.published_epsilon(c.mine.runs, plans[c.group]["delta"])
+            for c in cells}
 
 
 def baseline_checks(cells: list, history=()) -> dict:
     """group -> the baseline check (board/verdicts.baseline_check): is DP-SGD's row at least
     the best other DP-SGD configuration on record (``history``: earlier boards' record
     folders), seeds 1 and up? A row against a weaker baseline says so in the row."""
-    from dpbench.board.results import load_records
-    from dpbench.board.verdicts import baseline_check, best_recorded_baseline
-    from dpbench.search.tuning import GROUP_PATTERN
     known = [dict(r, _set=str(d)) for d in history for r in load_records(Path(d))]
     checks = {}
     for cell in cells:
         if cell.group in checks:
             continue
-        m = GROUP_PATTERN.match(cell.group)
+        m = tuning.GROUP_PATTERN.match(cell.group)
         best = best_recorded_baseline(known, m["dataset"], m["model"], float(m["eps"]),
                                       float(m["delta"]))
         checks[cell.group] = baseline_check(cell.base.retrains, best)
@@ -295,5 +256,5 @@ def build_v4(records_dir, methods_dirs, history=()) -> Path:
                           analysis["design"]["device"]["jax"])
     out = v4.analyse(cells, analysis)
     return render(out, cells, registered, board_dir,
-                  published_epsilons(records_dir, plans, cells),
+                  published_epsilons(plans, cells),
                   baseline_checks(cells, history))

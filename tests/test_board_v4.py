@@ -178,8 +178,8 @@ def test_dpbench_board_renders_a_registered_board_with_its_analysis_or_refuses(t
     page = (board_dir / "README.md").read_text()
     decisions = page.split("## Decisions")[1].split("##")[0]
     assert "**up**" in decisions and "**better**" in decisions
-    from dpbench.board import paired
-    want = paired.published_epsilon([(str(i), EVENT) for i in range(12)], 1e-5)
+    from dpbench.board import arms
+    want = arms.published_epsilon([(str(i), EVENT) for i in range(12)], 1e-5)
     assert f"ε {want:.2f} for all it publishes" in decisions
     rests = page.split("## What they rest on")[1].split("##")[0]
     assert "Descriptive, outside both families" in rests and "JAX 0.11.2" in rests

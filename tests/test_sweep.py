@@ -162,8 +162,8 @@ def test_a_researchers_method_goes_from_its_folder_to_the_board(finished_sweep):
     out = wait_guarded(shown, "dpbench board")
     assert shown.returncode == 0, out[-3000:]
     text = (folder / "board" / "README.md").read_text()
-    row = next(line for line in text.splitlines() if line.startswith("| halfclip | A. Res"))
-    assert "+9 over DP-SGD" in row and f"{summary['halfclip']['search_epsilon']:.3f}" in row
+    row = next(line for line in text.splitlines() if line.startswith("| halfclip |"))
+    assert "| A. Res" in row and "+9 over DP-SGD" in row and f"{summary['halfclip']['search_epsilon']:.3f}" in row
     assert "2 (fixed K; ε composes the K runs)" in text
     assert repo_status() == finished_sweep.repo_before
 
@@ -822,7 +822,7 @@ DEPLOYMENT = "| method, ε of a K-secret deployment |"  # the v3 page's privacy 
 
 
 def test_a_paired_group_gets_v3_verdicts_intervals_both_epsilons_and_a_forest_plot(
-        finished_sweep, tmp_path):
+        finished_sweep, tmp_path, monkeypatch):
     from dpbench import board
     from dpbench.board import paired
     records, group = _paired_board_records(finished_sweep, tmp_path)
@@ -833,7 +833,15 @@ def test_a_paired_group_gets_v3_verdicts_intervals_both_epsilons_and_a_forest_pl
     unpaired["methods"][OTHER]["trials"][1] = [
         f"{lr} = 9.99" if b.startswith(lr) else b for b in plan["methods"][OTHER]["trials"][1]]
     assert not paired.is_paired(unpaired)
+    calls, rule = [], paired.apply_rule
+
+    def once(analyses, *args, **kwargs):
+        calls.append(len(analyses))
+        return rule(analyses, *args, **kwargs)
+    monkeypatch.setattr(paired, "apply_rule", once)
     table = board.build(records, tmp_path / "a")
+    monkeypatch.undo()
+    assert calls == [1]  # every group of the board labelled together, once
     assert [r["seeds"] for r in table[GROUP]] == [3, 3]  # the selected seed 0 left out
     text = (tmp_path / "a" / "README.md").read_text()
     assert text.index("## The answer") < text.index("| method | paper |")  # before the tables
@@ -937,7 +945,7 @@ def test_a_superseded_search_joins_its_methods_published_epsilon(finished_sweep,
     # a run listed twice composes once, wherever it was published
     runs = list(arms.read_arm(group, json.loads((group / sweep.SEARCH_FILE).read_text()),
                               "dpsgd").runs)
-    assert paired.published_epsilon(runs + [runs[0]], 1e-5) == paired.published_epsilon(
+    assert arms.published_epsilon(runs + [runs[0]], 1e-5) == arms.published_epsilon(
         runs, 1e-5)
 
 
@@ -946,7 +954,7 @@ def test_a_diverged_trial_counts_in_everything_published_at_its_planned_event(
     """A random trial that diverged ran the accounted mechanism on private data, and the board
     publishes that it diverged: 'ε, all published' composes the event search.json planned for
     its privacy settings (its run published no record to read one from)."""
-    from dpbench.board import paired
+    from dpbench.board import arms, paired
     records, group = _paired_board_records(finished_sweep, tmp_path)
     plan = json.loads((group / sweep.SEARCH_FILE).read_text())
     for run in group.glob(f"{OTHER}-*-seed*"):  # OTHER's recipe wins: seeds 1-3 its retrains
@@ -972,7 +980,7 @@ def test_a_diverged_trial_counts_in_everything_published_at_its_planned_event(
                                                        accountant="pld"))
     pld.compose(dp_event.ComposedDpEvent([accounting.event_from_json(e) for e in events]))
     assert other["published_epsilon"] == pytest.approx(pld.get_epsilon(1e-5), rel=2e-2)
-    without = paired.published_epsilon([(str(s), recipe["dp_event"]) for s in range(4)], 1e-5)
+    without = arms.published_epsilon([(str(s), recipe["dp_event"]) for s in range(4)], 1e-5)
     assert other["published_epsilon"] > without * 1.05  # the diverged run is not free
 
 

@@ -49,6 +49,10 @@ def build(records_dir, out_dir, audits_dir=None, perf_json=None,
                 f"`{group}` {done} of {expected} runs" for group, (done, expected)
                 in sorted(running.items())) + ".\n"
     claims = methods.claims(methods_dirs)
+    for rows in table.values():
+        for row in rows:
+            row.update(paper=claims.get(row["method"], {}).get("paper"),
+                       claim=claims.get(row["method"], {}).get("claim"))
     older = [dict(r, _set=str(d)) for d in history for r in load_records(Path(d))]
     paired_part = _paired_blocks(table, finished, older, claims, out_dir, earlier_records,
                                  superseded, note)
@@ -152,12 +156,12 @@ def dataset_totals(analyses, older=()) -> list:
         delta = max(deltas[dataset])
         earlier = [(arms.run_identity(r, r["_path"]), r["dp_event"]) for r in older
                    if r["dataset"] == dataset and r.get("dp_event") is not None]
-        mine, everything = (paired.distinct_events(board_runs),
-                            paired.distinct_events(board_runs + earlier))
+        mine, everything = (arms.distinct_events(board_runs),
+                            arms.distinct_events(board_runs + earlier))
         out.append(dict(dataset=dataset, delta=delta, runs=len(mine),
-                        epsilon=paired.coarse_epsilon(mine, delta),
+                        epsilon=arms.coarse_epsilon(mine, delta),
                         runs_with_history=len(everything),
-                        epsilon_with_history=paired.coarse_epsilon(everything, delta)
+                        epsilon_with_history=arms.coarse_epsilon(everything, delta)
                         if earlier else None))
     return out
 
@@ -201,7 +205,7 @@ def _superseded_text(analysis: dict, earlier_search, out_dir: Path) -> str:
             "of that search too.")
 
 
-BOARD = methods.REPO_ROOT / "leaderboard"
+BOARD = methods.REPO_ROOT / "leaderboard" / "v4"  # the live board (v1-v3: frozen archives)
 # A committed board's inputs besides its records, paths relative to its folder: the board and
 # every archived board keep one, so each regenerates from what it was built with.
 INPUTS_FILE = "board.json"

@@ -12,7 +12,7 @@ trials on seed 0 (validation selects; test is what the selection gain reads), th
 retrains on the other seeds (the reported accuracy; seed 0, the selected seed, is biased upward
 and left out) and every run's DpEvent: the epsilon of everything the board publishes for the
 method (PLD composition of its distinct runs, each trajectory once, as if each had drawn fresh
-noise; ``published_epsilon``), beside the Papernot-Steinke epsilon of a deployment that keeps K
+noise; ``arms.published_epsilon``), beside the Papernot-Steinke epsilon of a deployment that keeps K
 secret (``tuning.search_summary``). A group whose space was revised after a first search (the
 board's ``superseded`` folder) composes the method's superseded runs in too: the search that
 ranks was chosen after seeing them.
@@ -73,37 +73,6 @@ def superseded_runs(superseded_dir, method: str) -> list:
     return out
 
 
-def distinct_events(runs) -> list:
-    """The DpEvents of ``runs`` ((identity, event) pairs), each run once: one trajectory
-    published twice (the same final parameters, e.g. a superseded search's run that the new
-    search repeated byte for byte) is one release. Two records of one trajectory with
-    different events contradict each other and are refused."""
-    seen = {}
-    for identity, event in runs:
-        if identity in seen and seen[identity] != event:
-            raise tuning.SearchRecordError(
-                f"two records of the run {identity[:16]} state different DpEvents; one of "
-                "them is not what ran: remove it")
-        seen.setdefault(identity, event)
-    return list(seen.values())
-
-
-def published_epsilon(runs, delta: float) -> float:
-    """The PLD epsilon of everything published about a method: its distinct runs
-    (``distinct_events``) composed as independent mechanisms, i.e. as if each had drawn fresh
-    secret noise (a benchmark's seeded runs that share a seed share a noise stream, which
-    composition does not model; the board says so)."""
-    return tuning.composition_epsilon(distinct_events(runs), delta)
-
-
-def coarse_epsilon(events, delta: float) -> float:
-    """A dataset's total over hundreds of distinct runs' events: PLD on a 3x coarser grid, an
-    upper bound all the same (board v3: 98.07 against 97.37 at 1e-3, in 3.5 s instead of
-    8.6)."""
-    return tuning.published_epsilon([tuning.composed_event(events)], delta,
-                                    discretization=3e-3)
-
-
 # The rule board v4 first registered (commit 305f934), which every paired board's labels
 # follow (board v3's own, a Bartlett-gated pooled variance, Holm over better/worse only and a
 # 3-error Monte Carlo guard, was chosen after its data; its page carries this one and says so)
@@ -157,9 +126,9 @@ def analyse_group(group_dir, claims: dict, baseline_best=None, superseded_dir=No
         published = list(mine.runs) + earlier
         row = dict(winner=mine.winner, num_trials=s["num_trials"],
                    retrains=mine.retrains, mean=float(np.mean(mine.retrains)),
-                   published_epsilon=published_epsilon(published, plan["delta"]),
+                   published_epsilon=arms.published_epsilon(published, plan["delta"]),
                    published_runs=published, superseded_runs=len(earlier),
-                   duplicate_runs=len(published) - len(distinct_events(published)),
+                   duplicate_runs=len(published) - len(arms.distinct_events(published)),
                    deployment_epsilon=s.get("deployment_epsilon"),
                    deployment_note=s.get("deployment_note"),
                    claim=claims.get(method, {}),

@@ -53,6 +53,8 @@ GROUP_COLUMNS = (
     ("test acc (mean ± std)",
      lambda r: f"{100 * r['test_mean']:.2f} ± {100 * r['test_std']:.2f}"),
     ("gain vs DP-SGD (± s.e.)", lambda r: gain_text(r["gain"], r["gain_se"])),
+    ("paper", lambda r: r.get("paper") or "n/a"),
+    ("paper's claim", lambda r: r.get("claim") or "n/a"),
     ("seeds", lambda r: str(r["seeds"])),
     ("configs tried", lambda r: str(r["configs_tried"])),
     ("trials K (law)", lambda r: _trials_cell(r["search"])),
@@ -82,7 +84,9 @@ SELECTION_RULE = (
     "1-4 (seed 0's accuracy is biased upward by the selection). 'configuration' names what sets "
     "the chosen one apart from the method's others.\n"
     "- **Gain.** Its ± is the standard error of the difference of the two means (Welch), shown "
-    "once both rows have 2 or more seeds.\n"
+    "once both rows have 2 or more seeds: a description (seeds only, the search's luck left "
+    "out), no verdict; 'paper' and 'paper's claim' come from the method's folder (its "
+    "method.json).\n"
     "- **Tuning** ('trials K', 'ε incl. tuning': groups run by `dpbench sweep`, each with the "
     "`search.json` its protocol wrote): every method of a group ran the same K trials (trial 0 "
     "its recipe, the others drawn from the group's search space); 'ε incl. tuning' is the "

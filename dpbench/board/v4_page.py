@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from dpbench import records as records_lib
-from dpbench.board import paired, plots, v4
+from dpbench.board import arms, plots, v4
 from dpbench.board.render import setting_words
 from dpbench.board.results import load_records
 from dpbench.board.verdicts import baseline_check, best_recorded_baseline
@@ -143,8 +143,8 @@ def _plot_ladder(out: dict, path: Path) -> None:
 def published_epsilons(plans: dict, cells: list) -> dict:
     """(group, method) -> the epsilon of everything the board publishes for the method in the
     group, tuning included: its K trials and its retrains (the arm's runs), each distinct run
-    once, composed with PLD (board/paired.published_epsilon)."""
-    return {(c.group, c.method): paired.published_epsilon(c.mine.runs, plans[c.group]["delta"])
+    once, composed with PLD (board/arms.published_epsilon)."""
+    return {(c.group, c.method): arms.published_epsilon(c.mine.runs, plans[c.group]["delta"])
             for c in cells}
 
 

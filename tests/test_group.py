@@ -85,15 +85,16 @@ def _traced(runs) -> list:
             for r in runs]
 
 
-def _group_minus_solo(runs, batching, twin=_honest, alone=None, gather="host") -> list:
+def _group_minus_solo(runs, batching, twin=_honest, alone=None, gather="host",
+                      traced=None) -> list:
     """Each trial's largest parameter difference, trained in one group (each its own batches,
     to its own planned steps; its examples gathered by the host or, ``gather='device'``, by
     the group step from the one training split) vs alone, and whether its step counters
     agree. ``twin`` may break the group step's inputs (its batches: the drawn ones on the
-    device)."""
+    device); ``traced``: the runs' traced programs, when the caller has them."""
     alone = _alone(runs) if alone is None else alone
     initial = [r.initial_state() for r in runs]
-    step = group_lib.group_step(_traced(runs), batching=batching)
+    step = group_lib.group_step(traced or _traced(runs), batching=batching)
     ends = jnp.array([r.total_steps for r in runs], jnp.int32)
     states = _stack(initial)
     if gather == "device":
@@ -185,8 +186,9 @@ def test_every_methods_grid_trials_pack_as_declared_and_step_as_alone(pipeline):
     trials = _grid(np.random.default_rng(), pipeline)
     runs = _runs(pipeline, trials)
     assert len(set(_declared(pipeline, runs, trials))) == 1
-    assert run_group.pack(_traced(runs)) == [[0, 1, 2]]
-    for i, (gap, steps_agree) in enumerate(_group_minus_solo(runs, "map")):
+    traced = _traced(runs)
+    assert run_group.pack(traced) == [[0, 1, 2]]
+    for i, (gap, steps_agree) in enumerate(_group_minus_solo(runs, "map", traced=traced)):
         assert steps_agree, f"trial {i} took another number of steps in the group"
         assert gap <= FOLDING_TOL.get(pipeline, 0.0), \
             f"trial {i}'s parameters differ from its solo run's by {gap}"

@@ -288,7 +288,7 @@ def test_every_committed_board_is_frozen_and_still_what_was_frozen(board_dir):
     assert frozen.check_frozen(REPO_ROOT / board_dir) == []
 
 
-STREAMS = 10
+STREAMS = 5
 
 
 def test_the_committed_boards_verdicts_do_not_depend_on_the_bootstrap_seed():
@@ -296,7 +296,7 @@ def test_the_committed_boards_verdicts_do_not_depend_on_the_bootstrap_seed():
     label of the committed board is the same on its own Monte Carlo stream and on STREAMS
     others, an 'undecided' one on all of them (decide.py: a label differs from the
     infinite-draw one with probability <= 1e-6 per stream, so this fails with probability
-    <= 1.1e-5)."""
+    <= 6e-6)."""
     from tests.conftest import REPO_ROOT
     from dpbench.board import paired
     board_dir = REPO_ROOT / "leaderboard"
@@ -691,9 +691,10 @@ def test_the_committed_page_prints_one_level_and_labels_that_agree_with_it():
     """Board v3's page, as committed (the test above holds that it is what the code renders):
     every interval of every verdict table (and of the answer) is at one stated level; each
     label is the one its interval shows (better: above 0; worse: below 0; equivalent: inside
-    the ±1 margin), or it is marked † with its interval at the Holm step that decided it,
+    the ±1 margin), or it is marked ‡ with its interval at the Holm step that decided it,
     which shows it; each claim 'excluded' exactly where the interval lies below the claim, or
-    † with the bound at its step; a sign test at its floor says so; no 'p ≤ 1'."""
+    ‡ with the bound at its step; the MDE is not inside the interval it goes with (it is read
+    off the same draws); a sign test at its floor says so; no 'p ≤ 1'."""
     page = _committed_page()
     tables = _tables(page)
     assert len(tables) == 4
@@ -707,7 +708,7 @@ def test_the_committed_page_prints_one_level_and_labels_that_agree_with_it():
             label = row["label (Holm)"]
             shows = ("better" if low > 0 else "worse" if high < 0 else
                      "equivalent" if -1 < low and high < 1 else "inconclusive")
-            if "†" in label:
+            if "‡" in label:
                 step_low, step_high = _ends(label.split(":", 1)[1])
                 step_shows = ("better" if step_low > 0 else "worse" if step_high < 0 else
                               "equivalent" if -1 < step_low and step_high < 1 else
@@ -719,12 +720,15 @@ def test_the_committed_page_prints_one_level_and_labels_that_agree_with_it():
             if claim != "-":
                 claimed = float(re.search(r"≥ ([-+]\d+\.\d+)", claim)[1])
                 excluded = claim.startswith("excluded")
-                if "†" in claim:
+                if "‡" in claim:
                     bound = float(re.search(r"gain ≤ ([-+]\d+\.\d+)", claim)[1])
                     assert excluded and bound < claimed <= high, (setting, row)
                 else:
                     assert excluded == (high < claimed), (setting, row)
             assert "p ≤ 1 " not in row["adjusted p"] + " "
+            point = float(row["gain, seeds 1-4"])
+            mde = float(row["MDE (80% power, same level)"])
+            assert mde > max(point - low, high - point) - 0.05, (setting, row)
             sign = row[next(c for c in columns if c.startswith("shared trials"))]
             if re.search(r"\((7-0|0-7), p", sign):
                 assert "floor for 7" in sign, row

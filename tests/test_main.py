@@ -168,7 +168,7 @@ def test_an_unknown_command_says_which_exist(monkeypatch, capsys):
 
 @pytest.mark.parametrize("command,flag,default", [
     ("train", "--workdir", None), ("train", "--gin_file", "(default: [])"),
-    ("board", "--records", f"(default: {REPO_ROOT / 'leaderboard' / 'records'})"),
+    ("board", "--records", f"(default: {REPO_ROOT / 'leaderboard' / 'v4' / 'records'})"),
     ("board", "--out", "(default: the folder holding --records)"),
     ("audit", "--claimed_epsilon", "(default: 3.0)"), ("sweep", "--runs_dir", "(default: "),
     ("check", "--gin_bindings", "(default: [])")])

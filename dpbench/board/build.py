@@ -169,12 +169,12 @@ def dataset_totals(analyses, older=()) -> list:
 def totals_text(totals) -> str:
     return "".join(
         f" Everything this board publishes about {t['dataset']} ({t['runs']} distinct runs, "
-        f"each composed once as if its noise were fresh) is ({t['epsilon']:.1f}, "
-        f"{t['delta']:g})-DP for its images"
+        f"each composed once as if its noise were fresh) composes to ({t['epsilon']:.1f}, "
+        f"{t['delta']:g}) for its images"
         + ("" if t["epsilon_with_history"] is None else
            f"; with the earlier boards' runs ({t['runs_with_history']} in all), "
-           f"({t['epsilon_with_history']:.1f}, {t['delta']:g})-DP")
-        + ": what these tables compare spent that much privacy." for t in totals)
+           f"({t['epsilon_with_history']:.1f}, {t['delta']:g})")
+        + ", on the same footing: the price of the comparison, not a guarantee." for t in totals)
 
 
 def _deployment_text(analysis: dict) -> str:

@@ -4,7 +4,7 @@ simultaneous interval, in words), then what it rests on (K, the recipe trial, th
 devices, the rule), the figures, the tables, how to read them, and the price in privacy.
 
 Each column has one meaning at one level, said once: every interval is the simultaneous one;
-a label Holm's step-down decided at a looser level than that interval shows is marked † with
+a label Holm's step-down decided at a looser level than that interval shows is marked ‡ with
 its interval at that level; descriptive columns say so in their heads; a p at the least its
 draws can show is printed as that floor; one privacy number per row, the rest under Privacy.
 Blocks out (board/render.py writes them as Markdown and HTML).
@@ -87,7 +87,7 @@ def answer_sentences(analyses) -> list:
 
 def _answer_cell(r: dict) -> str:
     t = r["tuned"]
-    mark = "†" if "step" in t else ""
+    mark = "‡" if "step" in t else ""
     return f"{t['label']}{mark} {_pts(t['point'])} {_interval(t['low'], t['high'])}"
 
 
@@ -132,11 +132,15 @@ def design_blocks(analyses, board: dict) -> list:
     designs = {(a["design"]["trials"], tuple(a["design"]["seeds"])) for a in analyses}
     trials, seeds = sorted(designs)[0]
     same = len(designs) == 1
+    own = sorted({m for _, m, r in _rows(analyses) if not r["shares"]})
+    apart = (f" ({_and(own)}'s space shares none of them: {'its' if len(own) == 1 else 'their'}"
+             " rows are unpaired)") if own else ""
     return [("h", 2, "What it rests on"), ("ul", [
         f"Each setting: {trials} trials per method{'' if same else ' (in the first; the '}"
         f"{'' if same else 'tables give each)'}: trial 0 the method's recipe from its paper, "
-        f"trials 1-{trials - 1} random points shared by every method (the same values of the "
-        "shared knobs, a method's own knobs drawn apart); each method's winner is chosen on validation, then retrained on seeds "
+        f"trials 1-{trials - 1} random points at which every method takes the same values of "
+        f"the shared knobs{apart}, a method's own knobs drawn apart; each method's winner is "
+        "chosen on validation, then retrained on seeds "
         f"{_seeds(list(seeds))}, whose test accuracies make its gain (seed 0, the selected "
         f"one, is biased upward and left out). Trained on: {_devices(analyses)}.",
         f"Labels: the rule board v4 first registered (commit 305f934, `v3-rule.json`), applied "
@@ -148,8 +152,10 @@ def design_blocks(analyses, board: dict) -> list:
         "depends on the random stream that computed it.",
         f"Every interval on this page is simultaneous, {_percent(board['level'])} (α/m a side, "
         "the strictest level any test uses). Holm steps down, so a label may be decided at a "
-        "looser level than its interval shows: such a label is marked †, and the tables give "
-        "its interval at the level that decided it.",
+        "looser level than its interval shows: such a label is marked ‡, and the tables give "
+        "its interval at the level that decided it. Board v4's design study found that this "
+        "rule's percentile bootstraps reject too often on simulated boards with no true gain "
+        "(`v4/study/README.md`): read a lone 'better' or 'worse' near its bound with care.",
         "Inconclusive means the board could not tell, not that the methods are alike; the "
         "tables give the gain each test could have detected (MDE)."])]
 
@@ -182,25 +188,26 @@ def p_text(bounds: tuple, decided: bool, floor: bool) -> str:
     low, high = bounds
     if not decided:
         return "1" if low >= 1 else f"≥ {_p_lower(low)}"
-    return f"< {_p_upper(high)} (floor)" if floor else f"≤ {_p_upper(high)}"
+    return f"< {_p_upper(high)} (Monte Carlo floor)" if floor else f"≤ {_p_upper(high)}"
 
 
 def _label_cell(t: dict) -> str:
     if "step" not in t:
         return t["label"]
     s = t["step"]
-    return f"{t['label']}† (at its step, {_percent(s['level'])}: {_interval(s['low'], s['high'])})"
+    return (f"{t['label']}‡ (its Holm step's {_percent(s['level'])} interval: "
+            f"{_interval(s['low'], s['high'])})")
 
 
 def _claim_cell(t: dict) -> str:
     c = t.get("claim")
     if c is None:
         return "-"
-    text = {"claim excluded": "excluded", "consistent": "consistent"}.get(c["label"],
-                                                                          c["label"])
+    text = {"claim excluded": "excluded", "consistent": "not excluded"}.get(c["label"],
+                                                                            c["label"])
     text += f" (≥ {_pts(c['low'])}; p {p_text(c['p_adjusted'], c['label'] == 'claim excluded', c['floor'])})"
     if not c["shown"]:
-        text += (f"† (at its step, {_percent(c['step_level'])}: gain ≤ "
+        text += (f"‡ (its Holm step's {_percent(c['step_level'])} interval: gain ≤ "
                  f"{_pts(c['step_high'])})")
     return text
 
@@ -260,24 +267,30 @@ READING = [
     "minus DP-SGD's, in points.",
     "The interval: percentiles of bootstrap draws of that gain with the search's luck (trial 0 "
     "kept, the random trials resampled in pairs, both winners re-chosen on validation) and "
-    "each arm's seed noise (Welch, Student t), at the one simultaneous level of the column's "
-    "head.",
+    "each arm's seed noise (Welch's standard error times Student t draws), at the one "
+    "simultaneous level of the column's head (two-sided; α/m on each side).",
     "'label (Holm)': better, worse, or equivalent within the margin (two one-sided tests), "
-    "each a hypothesis rejected in the board's one Holm family; † marks a label decided at a "
-    "later Holm step, with its interval at that step's level. 'adjusted p': the bound on the "
-    "Holm-adjusted p of the test that decided the label (of the side the data lean to when "
-    "none did); '(floor)': no bootstrap draw fell on the null's side, so the bound is the "
-    "least the draws can show, not the evidence.",
+    "each a hypothesis rejected in the board's one Holm family; ‡ marks a label decided at a "
+    "later Holm step, whose level (α/(m - k) on a side) is looser, with the interval at that "
+    "level. 'adjusted p': the bound on the Holm-adjusted p of the test that decided the label "
+    "(of the side the data lean to when none did: then a lower bound, '1' where it is 1); "
+    "'(Monte Carlo floor)': no bootstrap draw fell on the null's side, so the bound is the "
+    "least that many draws can show, not a measure of the evidence.",
     "'the claim (Holm)': 'excluded' where the gain is shown below the smallest gain the paper "
-    "claims (the number in brackets), else 'consistent'; its p as above.",
-    "'MDE': the gain the label's test would call with 80% power at the simultaneous level.",
+    "claims (the number after ≥), else 'not excluded' (which is not support for it); its p "
+    "as above. A paper's claim is tested at this board's settings, which are often not the "
+    "paper's own (its dataset and ε are in the claim's text).",
+    "'MDE': the gain the label's test would call with 80% power at the simultaneous level, "
+    "read off the same draws as the interval (so never inside it).",
     "'shared trials' (descriptive, outside the family, unadjusted): over the random trials, "
     "which share their draws across methods, the median of the method's test accuracy minus "
     "DP-SGD's in the same trial, wins-losses, and the two-sided sign test's p ('floor for n': "
-    "the smallest p n pairs can give).",
+    "the smallest p n pairs can give). It is not a test of the label: a method can win 7 of 7 "
+    "shared trials by margins that its winner's seed noise and the search's luck swamp.",
     "'ε, this row's runs': the price of the row, see Privacy. 'paper' and 'paper's claim': "
     "from the method's folder (its method.json). 'earlier board's gain': board v2's gain ± "
-    "s.e. for the same model and epsilon.",
+    "s.e. for the same model and epsilon. Under each table, 'published twice, composed once': "
+    "records of one trajectory (the same final parameters) that count as one release.",
 ]
 
 
@@ -291,8 +304,10 @@ def privacy_blocks(analyses, totals: str) -> list:
         "p", "'ε, this row's runs' prices the comparison a row reports: every distinct run "
         "the board publishes for the method in that setting (its K trials and retrains, a "
         "superseded search's runs included), composed with PLD as if each had drawn fresh "
-        "noise (a group's seeded runs share seed 0's stream, which composition does not "
-        "model). A deployment that keeps K secret (`dpbench sweep --secret_trial_count`: J "
+        "noise. It is the price of publishing that many independent runs, not a guarantee for "
+        "the runs as they ran: a group's seeded runs share seed 0's noise stream, which "
+        "composition does not cover (runs that share noise can reveal more together). The "
+        "setting's ε is each run's own target. A deployment that keeps K secret (`dpbench sweep --secret_trial_count`: J "
         "drawn in secret from the declared law, every trial on its own OS-drawn seed, only "
         "the winner released) pays the Papernot-Steinke ε below instead; the board's runs are "
         "benchmarks with recorded seeds, not that deployment." + totals),

@@ -35,7 +35,6 @@ from pathlib import Path
 from typing import NamedTuple, Optional
 
 import numpy as np
-import scipy.stats
 
 from dpbench.board import decide as decide_lib
 from dpbench.board import arms
@@ -214,13 +213,19 @@ def holm_levels(decision, alpha: float) -> np.ndarray:
 
 def summary(draws: np.ndarray, level: float, power: float) -> dict:
     """The interval at the two-sided level matching a one-sided test at ``level``, and the
-    minimum detectable gain at ``power`` for that test."""
+    minimum detectable gain at ``power`` for that test, read off the same draws' quantiles
+    (the law shifted to a true gain g: the test calls it with probability ``power`` once g
+    exceeds the interval's margin on that side plus the draws' distance from their median to
+    their (1 - power) quantile; the larger of the two sides). The registered formula, (z(1 -
+    level) + z(power)) x the draws' s.d., assumes a normal law and understates where the
+    draws are heavy-tailed (4 retrain seeds: Student t with ~6 df), so the MDE would sit
+    inside the interval it describes."""
     finite = draws[np.isfinite(draws)]
-    lo, hi = np.percentile(finite, [100 * level, 100 * (1 - level)])
-    sd = float(np.std(finite, ddof=1))
-    z = scipy.stats.norm.ppf
-    return dict(low=float(lo), high=float(hi), sd=sd, level=float(level),
-                mde=float((z(1 - level) + z(power)) * sd))
+    lo, p_low, mid, p_high, hi = np.percentile(finite, [
+        100 * level, 100 * (1 - power), 50, 100 * power, 100 * (1 - level)])
+    mde = max((mid - lo) + (mid - p_low), (hi - mid) + (p_high - mid))
+    return dict(low=float(lo), high=float(hi), sd=float(np.std(finite, ddof=1)),
+                level=float(level), mde=float(mde))
 
 
 def _label(kinds: dict, draws: int) -> str:

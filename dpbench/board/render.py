@@ -31,6 +31,15 @@ def setting_words(group: str, dataset: bool = False) -> str:
     return f"{model}{where}, ε {float(m['eps']):g}"
 
 
+def points(x: float) -> str:
+    """A gain in points, signed, two decimals (every board page's one format)."""
+    return f"{x:+.2f}"
+
+
+def interval_text(low: float, high: float) -> str:
+    return f"[{points(low)}, {points(high)}]"
+
+
 def gain_text(gain, se) -> str:
     if gain is None:
         return "n/a"

@@ -21,12 +21,7 @@ from dpbench.search.tuning import GROUP_PATTERN
 ORDER = ("better", "worse", "equivalent", "inconclusive")
 
 
-def _pts(x: float) -> str:
-    return f"{x:+.2f}"
-
-
-def _interval(low: float, high: float) -> str:
-    return f"[{_pts(low)}, {_pts(high)}]"
+_pts, _interval = render.points, render.interval_text
 
 
 def _percent(one_sided: float) -> str:

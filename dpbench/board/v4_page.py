@@ -17,7 +17,7 @@ import numpy as np
 
 from dpbench import records as records_lib
 from dpbench.board import arms, plots, v4
-from dpbench.board.render import setting_words
+from dpbench.board.render import interval_text, points, setting_words
 from dpbench.board.results import load_records
 from dpbench.board.verdicts import baseline_check, best_recorded_baseline
 from dpbench.search import methods as methods_lib
@@ -36,12 +36,11 @@ def _plans(records_dir: Path) -> dict:
     return plans
 
 
-def _pts(x: float) -> str:
-    return f"{x:+.2f}"
+_pts = points
 
 
 def _interval(row: dict) -> str:
-    return f"[{_pts(row['low'])}, {_pts(row['high'])}]"
+    return interval_text(row["low"], row["high"])
 
 
 def _eps(x: float) -> str:

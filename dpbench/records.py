@@ -54,6 +54,13 @@ def atomic_write_text(path: Path, text: str) -> None:
     atomic_write(path, lambda f: f.write(text.encode()))
 
 
+def device_of(record: dict) -> tuple:
+    """(device kind, JAX version) a run trained on: its record's device_kind, else the
+    platform of its first device ('cuda', 'cpu')."""
+    kind = record.get("device_kind") or str(record.get("devices", ["?"])[0]).split(":")[0]
+    return kind, record.get("versions", {}).get("jax", "?")
+
+
 def publish_record(run_dir: Path, target: Path) -> None:
     """The one way a finished run's record enters a records folder (a sweep's trial, a secret
     search's winner): copied whole from ``run_dir`` into ``target``, atomically, so a crash or

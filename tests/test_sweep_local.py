@@ -95,6 +95,33 @@ def test_gpu_workers_take_search_trials_before_seed_runs(tmp_path):
     assert pool.take("device") is seed_run
 
 
+def test_device_workers_take_the_cell_nearest_whole_first(tmp_path):
+    """A cell (a group's method: its search, then its winner's seeds) with more runs published
+    goes first, its seed runs too, so that a window's end leaves as few cells half-done as it
+    can; among equals, search trials before seed runs, then the slowest."""
+    _, pool = make_pool(tmp_path, published=[("fast-t0-seed0", 100.0, 0.8),
+                                             ("fast-t1-seed0", 100.0, 0.7)])
+    assert names(pool.jobs) == ["fast-t0-seed1", "slow-t0-seed0", "slow-t1-seed0"]
+    first = pool.take("device")  # fast's search is whole: its seed run before slow's 400 s
+    assert (first["method"], first["seed"]) == ("fast", 1)
+    assert pool.take("device")["method"] == "slow"
+
+
+def test_a_device_only_board_never_falls_back_to_the_cpu(tmp_path, monkeypatch):
+    """A window's runs must all come from the device (sweep/window.py): once the device is
+    given up, its worker stops instead of training on the CPU."""
+    pool_module, pool = make_pool(tmp_path)
+    pool.device_disabled, pool.args.device_only = True, True
+    taken = []
+    monkeypatch.setattr(pool, "take_pack", lambda kind: taken.append(kind) or [])
+    pool_module.worker(pool, "device")
+    assert taken == []
+    pool.args.device_only = False
+    monkeypatch.setattr(pool, "waiting", lambda: False)
+    pool_module.worker(pool, "device")
+    assert taken == ["cpu"]
+
+
 def test_scatter_trials_wait_for_their_features(tmp_path):
     _, pool = make_pool(tmp_path)
     job = dict(pool.jobs[0], group="fashion_mnist__scatter_linear__eps3.0__delta1e-05")
@@ -185,9 +212,9 @@ def test_a_device_worker_takes_a_pack_of_one_methods_trials_and_publishes_each(t
     _, pool = make_pool(tmp_path / "again")
     pool.args.group_size = 2
     pool_module.worker(pool, "device")
-    assert sorted(packs[:2]) == [["fast-t0-seed0", "fast-t1-seed0"],
-                                 ["slow-t0-seed0", "slow-t1-seed0"]]
-    assert sorted(packs[2:]) == [["fast-t0-seed1"], ["slow-t0-seed1"]]  # the winners' seeds
+    # each cell whole before the next: a method's search, then its winner's seed
+    assert packs == [["fast-t0-seed0", "fast-t1-seed0"], ["fast-t0-seed1"],
+                     ["slow-t0-seed0", "slow-t1-seed0"], ["slow-t0-seed1"]]
     done = pool.done
     assert {d["outcome"] for d in done} == {"published"} and len(done) == 6
     assert sorted(d["pack"] for d in done)[-4:] == [2, 2, 2, 2]

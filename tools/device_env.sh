@@ -19,12 +19,14 @@ device_fill() {
 
 # there: the GPU named, the wheels installed into /tmp/site (on PYTHONPATH), the data in place
 device_install() {
+  export PYTHONPATH=/tmp/site
+  [ -f /tmp/site/.installed ] && return 0  # a second script of the same call
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site .device/whl/*.whl
-  export PYTHONPATH=/tmp/site
   mkdir -p /usr/share/datasets/fashion-mnist
   cp .device/fmnist/*.gz /usr/share/datasets/fashion-mnist/
   python3 -c "import jax, flax, numpy, scipy; print(jax.__version__, jax.devices(),
               flax.__version__, numpy.__version__, scipy.__version__)"
+  touch /tmp/site/.installed
 }

@@ -10,6 +10,7 @@ from typing import NamedTuple, Optional
 
 import numpy as np
 
+from dpbench import records as records_lib
 from dpbench.board import board_model
 from dpbench.board.board_model import BASELINE
 from dpbench.search import space as search_space
@@ -86,20 +87,14 @@ def read_arm(group_dir: Path, plan: dict, method: str, space=None) -> Arm:
                     for i, r in enumerate(run_records)])
     return Arm(validation, [None if r is None else r["test_accuracy"] for r in trials], winner,
                retrains, finished[0].get("model_parameters") if finished else None,
-               coordinates, frozenset(device_of(r) for r in finished + run_records), runs)
+               coordinates, frozenset(map(records_lib.device_of, finished + run_records)),
+               runs)
 
 
 def run_identity(record: dict, where: str) -> str:
     """A run's trajectory: its final parameters' sha256 (two records with the same one are one
     run published twice); a record without one is its own run."""
     return record.get("final_params_sha256") or f"record:{where}"
-
-
-def device_of(record: dict) -> tuple:
-    """(device kind, JAX version) a run trained on: its record's device_kind, else the
-    platform of its first device ('cuda', 'cpu')."""
-    kind = record.get("device_kind") or str(record.get("devices", ["?"])[0]).split(":")[0]
-    return kind, record.get("versions", {}).get("jax", "?")
 
 
 def shares_keys(plan: dict, method: str) -> bool:

@@ -323,6 +323,23 @@ def run_board(args) -> int:
     return 0
 
 
+def incomplete_text(records: Path) -> str:
+    """Where a registered board's runs stand, per group, and what renders it."""
+    lines, done_all, total_all = [], 0, 0
+    for group_dir in sorted(p.parent for p in records.glob(f"*/{tuning.SEARCH_FILE}")):
+        done, total = tuning.search_progress(group_dir)
+        lines.append(f"  {group_dir.name}: {done} of {total} runs published")
+        done_all, total_all = done_all + done, total_all + total
+    pending = records.parent / "pending"
+    waiting = sum(1 for _ in pending.glob("*/*")) if pending.is_dir() else 0
+    return "\n".join([
+        f"{records.parent.name}'s runs are not all published ({done_all} of {total_all}; "
+        f"{waiting} more wait in {pending.name}/ for their cells to be whole): its page "
+        "renders with its registered analysis once every cell is whole. Its runs come from "
+        "lent-GPU windows (tools/gpu_window.sh: dpbench sweep window there, dpbench sweep "
+        "land here).", *lines])
+
+
 def _run_registered(args) -> int:
     """A board with a registered analysis: rendered with it (board/v4_page.py) beside its
     records, or refused, saying why."""
@@ -333,6 +350,10 @@ def _run_registered(args) -> int:
     try:
         page = v4_page.build_v4(args.records, [*args.methods_dirs, methods.BOARD_METHODS],
                                 history=args.history)
+    except tuning.SearchIncomplete:
+        # not an error: a registered board renders once, whole; until then it says where it is
+        print(incomplete_text(Path(args.records)))
+        return 1
     except (registration.RegistrationError, tuning.SearchRecordError, LeaderboardError,
             methods.MethodError) as e:
         print(f"dpbench: error: {e}", file=sys.stderr)

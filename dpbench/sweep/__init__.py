@@ -104,7 +104,8 @@ def _run_secret(plans, args, private: Path, t0: float) -> int:
 
 # ``dpbench sweep MODE [flags]``: each mode is the flag it stands for (the flags still work)
 MODES = {"run": [], "prepare": ["--prepare_only"], "secret": ["--secret_trial_count"],
-         "progress": ["--progress"], "cost": ["--cost"], "local": ["--local"]}
+         "progress": ["--progress"], "cost": ["--cost"], "local": ["--local"],
+         "window": ["--window"], "land": ["--land"]}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -119,8 +120,10 @@ def _parser():
     parser = FlagParser(
         "dpbench sweep", __doc__.split("\n")[0] + " Modes: run (the default: search, then the "
         "winners' seeds), prepare (= --prepare_only), secret (= --secret_trial_count), "
-        "progress (= --progress), cost (= --cost), local (= --local: without Ray, until a deadline).",
-        usage="dpbench sweep [run|prepare|secret|progress|cost] [flags]")
+        "progress (= --progress), cost (= --cost), local (= --local: without Ray, until a deadline), "
+        "window (= --window: a registered board's cells on a lent device), land (= --land: a "
+        "window's runs onto the board, whole cells only).",
+        usage="dpbench sweep [run|prepare|secret|progress|cost|local|window|land] [flags]")
     parser.add_argument("--protocol", type=Path, default=REPO / "leaderboard" / "protocol.json",
                         help="the tuning protocol (families, methods, search spaces, trials)")
     parser.add_argument("--families", nargs="+", default=None,
@@ -182,7 +185,35 @@ def _parser():
                             "failed_logs.tar.gz and local.json go (default: --runs_dir/local)")
     local.add_argument("--pack_every_s", type=float, default=60.0,
                        help="--local: how often the outputs are rewritten while it runs")
+    _add_window_flags(parser)
     return parser
+
+
+def _add_window_flags(parser) -> None:
+    window = parser.add_argument_group(
+        "window (a registered board on a lent device: sweep/window.py)")
+    window.add_argument("--window", action="store_true",
+                        help="train the unfinished cells of --board that this device may "
+                             "train (its kind and JAX as registered, one kind per group) "
+                             "until --deadline_s; --out gets records.tar.gz and window.json")
+    window.add_argument("--land", action="store_true",
+                        help="land a window's files (--files: its records.tar.gz and "
+                             "window.json) on --board: every run to <board>/pending, each "
+                             "whole cell on to <board>/records, the cost to windows.json")
+    window.add_argument("--board", type=Path, default=REPO / "leaderboard" / "v4",
+                        help="--window/--land/--write_proof: the registered board's folder")
+    window.add_argument("--proof", type=Path, default=None,
+                        help="--window: the registration proof --write_proof wrote here")
+    window.add_argument("--write_proof", type=Path, default=None,
+                        help="check --board's registration with git and write its proof "
+                             "(commit, date, analysis SHA-256) to this file, for --window")
+    window.add_argument("--files", type=Path, default=None,
+                        help="--land: the folder a window's files came back in")
+    window.add_argument("--setup_s", type=float, default=0.0,
+                        help="--window: the device seconds spent before it (install, ...)")
+    window.add_argument("--device_s", type=float, default=None,
+                        help="--land: the window's device seconds, when known better than "
+                             "its window.json's (the device tool's wall_s)")
 
 
 def main(argv=None) -> int:
@@ -209,6 +240,40 @@ def _require_registered(protocol: dict, args) -> None:
         raise ProtocolError(str(e)) from e
 
 
+def run_window_mode(args: argparse.Namespace) -> int:
+    """--write_proof (here), --window (there) or --land (here); the exit code."""
+    from dpbench.sweep import window
+    try:
+        if args.write_proof:
+            args.write_proof.write_text(json.dumps(window.registration_proof(args.board)) + "\n")
+            print(f"{args.write_proof}: {args.board}'s registration, proved")
+            return 0
+        if args.land:
+            if args.files is None:
+                raise window.WindowError("--land needs --files: the window's files' folder")
+            done = window.land(args.board, args.files, args.device_s)
+            for key in ("landed", "refused", "skipped"):
+                print(f"{key}: {len(done[key])}" + "".join(f"\n  {x}" for x in done[key]))
+            for group, method, found, needed in window.pending_cells(args.board):
+                print(f"pending: {group} {method}: {found} of {needed} runs")
+            print(f"cost: {json.dumps(done['entry'])}")
+            return 0
+        if args.proof is None or args.deadline_s is None:
+            raise window.WindowError("--window needs --proof (from --write_proof, here) and "
+                                     "--deadline_s (seconds it may run)")
+        from dpbench.sweep import local  # imports run/: only when it trains here
+        said = window.run_window(args.board, json.loads(args.proof.read_text()),
+                                 window.query_device(local.DEVICE_ENV), prepare,
+                                 local.run_local,
+                                 args.deadline_s, args.out or args.runs_dir / "window",
+                                 args.runs_dir, args.group_size, args.gpu_binding, args.setup_s)
+        print(json.dumps(said, indent=1))
+        return 3 if said["refused"] else 0
+    except (window.WindowError, registration.RegistrationError, ProtocolError) as e:
+        print(f"dpbench: error: {e}", file=sys.stderr)
+        return 2
+
+
 def run_sweep(args: argparse.Namespace) -> int:
     """The sweep the parsed flags ask for; the exit code."""
     if args.cost:
@@ -217,6 +282,8 @@ def run_sweep(args: argparse.Namespace) -> int:
     if args.progress:
         sweep_cost.print_progress(args.records, args.cpus or os.cpu_count())
         return 0
+    if args.window or args.land or args.write_proof:
+        return run_window_mode(args)
     if args.local and args.deadline_s is None:
         print("dpbench: error: --local needs --deadline_s (seconds it may run)", file=sys.stderr)
         return 2

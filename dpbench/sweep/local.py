@@ -6,10 +6,11 @@ Every trial goes through the sweep's own path: its jobs (sweep/jobs.jobs_of), th
 packing rule (sweep/jobs.structure_of: one method's trials of one structure per process), the
 one launcher (``run_pack``: ``dpbench train --trials``) and the one publishing path. Only the
 scheduling is its own: worker threads take work from one list; a device worker takes a pack
-(search trials first: an unpublished one holds back its method's seeds; then the slowest on a
-CPU) of as many trials as fit before the deadline at the device/CPU time ratio seen so far
-(none more than ``group_size``; 0: the device's memory decides, run/group.py); a CPU worker
-takes one trial, the cheapest that still fits. When a method's search is published its
+(cells nearest whole first: a cell is a group's method, its search then its winner's seeds;
+then search trials before seed runs, then the slowest on a CPU) of as many trials as fit
+before the deadline at the device/CPU time ratio seen so far (none more than ``group_size``;
+0: the device's memory decides, run/group.py); a CPU worker takes one trial, the cheapest
+that still fits. When a method's search is published its
 winner's seed runs are queued (the phase rule, sweep/jobs.searched, the Ray path's too).
 """
 
@@ -142,6 +143,17 @@ class LocalRunner:
     def _available(self, job) -> bool:
         return "scatter" not in _family(job) or _family(job) in self.ready_families
 
+    def cell_progress(self) -> dict:
+        """(group, method) -> its published runs: a cell (a group's method: its search, then
+        its winner's seeds) nearer whole goes first on the device, so that a window's end
+        leaves as few cells half-done as it can."""
+        out: dict = {}
+        for group, plan in self.plans.items():
+            for method in plan["methods"]:
+                out[(group, method)] = sum(tuning.published(d) for d in tuning.method_run_dirs(
+                    Path(self.args.records) / group, method))
+        return out
+
     def take(self, kind: str):
         """The next job for a worker of ``kind`` ('device' or 'cpu'), or None when none fits
         before the deadline."""
@@ -150,7 +162,9 @@ class LocalRunner:
             options = [j for j in self.jobs if self._available(j)]
             if kind == "device":
                 options = [j for j in options if MARGIN * self.device_estimate([j]) < left]
-                options.sort(key=lambda j: (self._is_seed_run(j), -self.cpu_estimate(j)))
+                done = self.cell_progress()
+                options.sort(key=lambda j: (-done.get((j["group"], j["method"]), 0),
+                                            self._is_seed_run(j), -self.cpu_estimate(j)))
             else:
                 options = [j for j in options if MARGIN * self.cpu_estimate(j) < left]
                 options.sort(key=self.cpu_estimate)
@@ -224,6 +238,8 @@ def worker(runner: LocalRunner, kind: str) -> None:
     """Takes packs until the deadline or the work is done; each pack through ``run_pack``."""
     while time.time() < runner.deadline:
         if kind == "device" and runner.device_disabled:
+            if getattr(runner.args, "device_only", False):
+                return  # a board whose runs must all come from the device (sweep/window.py)
             kind = "cpu"
         jobs = runner.take_pack(kind)
         if not jobs:

@@ -139,6 +139,12 @@ def main(argv) -> None:
                              **{k: info.get(k) for k in ("batching", "knobs", "group_steps",
                                                      "loop_s", "host_batch_s")}))
             print(json.dumps(rows[-1]), flush=True)
+            write_report(report, rows, solo)  # each row kept: a window cut off keeps the rest
+    print(write_report(report, rows, solo))
+
+
+def write_report(report: dict, rows: list, solo: float) -> str:
+    """The Markdown report of ``rows`` so far, written to --out (and the JSON beside it)."""
     report["rows"] = rows
     lines = [f"# Cost per trial, grouped vs one process per trial ({report['device']})", "",
              f"`{report['command']}` on {report['host']}, at {report['commit']}", "",
@@ -157,10 +163,10 @@ def main(argv) -> None:
               f"{r['serial_share']:.2f} |"
               for r in rows]
     text = "\n".join(lines) + "\n"
-    print(text)
     if FLAGS.out:
         Path(FLAGS.out).write_text(text)
         Path(FLAGS.out).with_suffix(".json").write_text(json.dumps(report, indent=1) + "\n")
+    return text
 
 
 if __name__ == "__main__":

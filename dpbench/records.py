@@ -18,6 +18,7 @@ OPERATIVE_CONFIG_NAME = "operative_config.gin"  # the gin values the finished ru
 CHECKPOINTS_DIR = "checkpoints"          # orbax checkpoints with the privacy ledger
 SUPERSEDED_DIR = "superseded"            # finished runs moved aside by --overwrite
 DIVERGED_NAME = "diverged.json"          # a sweep trial that diverged (instead of a record)
+WINDOWS_NAME = "windows.json"  # a registered board's lent-GPU windows' costs (sweep/window.land)
 
 
 def cache_root() -> Path:

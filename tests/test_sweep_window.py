@@ -13,6 +13,7 @@ import tarfile
 import numpy as np
 import pytest
 
+from dpbench.board.build import incomplete_text
 from dpbench.sweep import window
 from dpbench.sweep.planning import prepare
 from tests.conftest import REPO_ROOT
@@ -111,6 +112,13 @@ def test_a_windows_runs_wait_in_pending_until_their_cell_is_whole(board, tmp_pat
     assert entry["runs"] == k + 3 + 20 and entry["device_s"] == 420.0
     assert entry["runs_per_device_minute"] == pytest.approx(60 * (k + 23) / 420, abs=0.01)
     assert entry["cells_landed"] == [f"{TANH3} dpsgd"] and entry["device"] == H100
+    # `dpbench board` on the unfinished board: where it stands, the cost, the windows left
+    text = incomplete_text(board / "records")
+    left = 1568 - (k + 3) - 20
+    assert f"({k + 3} of 1568; 20 more wait in pending/" in text
+    assert (f"1 lent-GPU window(s) ({H100}): 7.0 device minutes, {k + 23} runs, "
+            f"{60 * (k + 23) / 420:.2f} per device minute. At {k + 23} runs a window, the "
+            f"{left} runs left need about {-(-left // (k + 23))} more.") in text
     _commit(tmp_path, "window 1")
 
     # the next window finishes rs (its seeds from the winner over all 33 trials) and resends

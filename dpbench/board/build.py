@@ -337,7 +337,8 @@ def incomplete_text(records: Path) -> str:
         f"{waiting} more wait in {pending.name}/ for their cells to be whole): its page "
         "renders with its registered analysis once every cell is whole. Its runs come from "
         "lent-GPU windows (tools/gpu_window.sh: dpbench sweep window there, dpbench sweep "
-        "land here).", *lines])
+        "land here). " + v4_page.device_cost(records.parent, total_all - done_all - waiting),
+        *lines])
 
 
 def _run_registered(args) -> int:

@@ -80,6 +80,25 @@ def answer_lines(out: dict, epsilons: dict, checks: dict) -> list:
     return lines
 
 
+def device_cost(board_dir: Path, runs_left: int = 0) -> str:
+    """The board's cost line: its landed lent-GPU windows (windows.json, written by
+    ``dpbench sweep land``), their device time and runs, and, with ``runs_left``, how many
+    more windows those need at the rate measured."""
+    path = Path(board_dir) / records_lib.WINDOWS_NAME
+    entries = json.loads(path.read_text()) if path.exists() else []
+    if not entries:
+        return "No lent-GPU window has landed yet."
+    seconds, runs = sum(e["device_s"] for e in entries), sum(e["runs"] for e in entries)
+    kinds = ", ".join(sorted({str(e["device"]) for e in entries}))
+    text = (f"{len(entries)} lent-GPU window(s) ({kinds}): {seconds / 60:.1f} device minutes, "
+            f"{runs} runs" + (f", {60 * runs / seconds:.2f} per device minute" if seconds
+                              else "") + ".")
+    if runs_left and runs:
+        text += (f" At {runs / len(entries):.0f} runs a window, the {runs_left} runs left "
+                 f"need about {-(-runs_left * len(entries) // runs)} more.")
+    return text
+
+
 def design_lines(analysis: dict, out: dict) -> list:
     """What the decisions rest on, in words, from the registered analysis."""
     d = analysis["design"]
@@ -201,12 +220,13 @@ def ladder_lines(out: dict) -> list:
 
 
 def page_lines(out: dict, cells: list, analysis: dict, head: list, epsilons: dict,
-               checks: dict, plots: dict) -> list:
+               checks: dict, plots: dict, cost: str = "") -> list:
     """The page's markdown: the decisions first, what they rest on, the figures, the
     tables."""
     lines = ["# Board v4: each method against DP-SGD, tuned alike", "", *head, "",
              "## Decisions", "", *answer_lines(out, epsilons, checks), "",
-             "## What they rest on", "", *[f"- {x}" for x in design_lines(analysis, out)], ""]
+             "## What they rest on", "", *[f"- {x}" for x in design_lines(analysis, out)],
+             *([f"- Its runs' device time: {cost}"] if cost else []), ""]
     if plots:
         lines += ["## Figures", ""]
     if "gains" in plots:
@@ -239,7 +259,8 @@ def render(out: dict, cells: list, registered: dict, board_dir: Path,
             "committed after it, checked when this page was built (`dpbench board`)."]
     page = board_dir / PAGE
     records_lib.atomic_write_text(page, "\n".join(page_lines(
-        out, cells, registered["analysis"], head, epsilons, checks, plots)))
+        out, cells, registered["analysis"], head, epsilons, checks, plots,
+        device_cost(board_dir))))
     return page
 
 

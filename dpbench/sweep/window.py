@@ -48,7 +48,7 @@ from dpbench.search.protocol import load_protocol
 from dpbench.sweep import jobs as sweep_jobs
 
 PENDING = "pending"  # beside the board's records: a cell's runs until the cell is whole
-WINDOWS = "windows.json"  # the board's cost line: one entry per landed window
+WINDOWS = records_lib.WINDOWS_NAME  # the board's cost line: one entry per landed window
 WINDOW = "window.json"  # what a window says of itself (device, JAX, commit, seconds)
 RECORDS_TARBALL = "records.tar.gz"
 PROTOCOLS = ("protocol.json", "ladder.json")  # the board's protocols, in the order windows run
@@ -182,7 +182,8 @@ def land(board: Path, files: Path, device_s: Optional[float] = None) -> dict:
                  runs=len(runs),
                  diverged=sum((pending / n / tuning.DIVERGED).exists()
                               or (records / n / tuning.DIVERGED).exists() for n in runs),
-                 refused=len(out["refused"]), cells_landed=out["landed"])
+                 refused=len(out["refused"]), cells_landed=out["landed"],
+                 window_refused=window.get("refused"))
     entry["runs_per_device_minute"] = (round(60 * entry["runs"] / entry["device_s"], 2)
                                        if entry["device_s"] else None)
     log = board / WINDOWS

@@ -62,6 +62,13 @@ def device_of(record: dict) -> tuple:
     return kind, record.get("versions", {}).get("jax", "?")
 
 
+def frozen_spec(board_dir):
+    """A board folder's ``"frozen"`` entry in its board.json (board/frozen.py writes it: the
+    hashes of an archived board's pages and records), or None for a live board."""
+    path = Path(board_dir) / "board.json"
+    return json.loads(path.read_text()).get("frozen") if path.exists() else None
+
+
 def publish_record(run_dir: Path, target: Path) -> None:
     """The one way a finished run's record enters a records folder (a sweep's trial, a secret
     search's winner): copied whole from ``run_dir`` into ``target``, atomically, so a crash or

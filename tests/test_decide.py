@@ -93,6 +93,11 @@ def test_later_looks_draw_only_the_undecided_and_decide_as_the_full_family_would
     assert sets[1] < sets[0] and sets[-1] == {boundary}  # only the undecided are drawn again
     assert d.labels[boundary] == "undecided" and d.draws == SCHEDULE[-1]
     assert all(d.labels[i] == truth[i] for i in range(len(p)) if i != boundary)
+    # each comparison's settled_draws is the size of the last look that drew it
+    last = {i: n for n, indices in asked for i in indices}
+    assert list(d.settled_draws) == [last[i] for i in range(len(p))]
+    assert d.settled_draws[boundary] == SCHEDULE[-1] and min(d.settled_draws) == SCHEDULE[0]
+    assert np.all(d.low <= d.high) and np.all(d.adjusted_high >= d.high)
     full = decide.decide(_stream(p, np.random.SeedSequence()), ALPHA, SCHEDULE, FLIP)
     assert full.labels == d.labels
 

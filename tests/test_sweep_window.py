@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 
 from dpbench.board.build import incomplete_text
-from dpbench.sweep import window
+from dpbench import sweep
+from dpbench.sweep import preflight, window
 from dpbench.sweep.planning import prepare
 from tests.conftest import REPO_ROOT
 
@@ -198,3 +199,17 @@ def test_a_window_trains_what_this_device_may_from_records_and_pending_and_bring
     with pytest.raises(window.WindowError, match="not the registered analysis"):
         window.run_window(board, proof, (H100, "0.11.2"), prepare, fake_run_local, 600.0,
                           tmp_path / "x", tmp_path / "runs3")
+
+
+def test_board_v4_trains_only_through_windows_and_a_frozen_board_not_at_all(board, capsys):
+    """The sweep's own paths refuse a board whose analysis registers a device rule (its runs
+    would skip pending and the device check) but still write its plans; the committed board
+    v3 (the sweep's default --records) is frozen, so the default sweep trains nothing."""
+    flags = [f"--protocol={board / 'protocol.json'}", f"--records={board / 'records'}"]
+    assert sweep.main(["local", "--deadline_s=60", *flags]) == 2
+    assert "its runs come only from lent-GPU windows" in capsys.readouterr().err
+    assert sweep.main(["prepare", *flags]) == 0
+    assert sweep.main([]) == 2
+    assert "is frozen (an archive" in capsys.readouterr().err
+    assert preflight.frozen_board_reason(board / "records") is None
+    assert preflight.frozen_board_reason(REPO_ROOT / "leaderboard" / "records") is not None

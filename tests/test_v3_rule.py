@@ -101,6 +101,18 @@ def test_the_same_records_give_the_same_bytes():
     assert a == b
 
 
+def test_holm_levels_rank_by_the_raw_bounds_not_the_adjusted_ones():
+    """Holm steps down in the order of the raw p-values: with raw upper bounds 0.004, 0.001,
+    0.002 the adjusted ones are 0.004, 0.003, 0.004 (a tie), and the levels alpha / 2 and
+    alpha belong to the 0.002 and the 0.004, whatever the tie's order."""
+    high = np.array([0.004, 0.001, 0.002])
+    adjusted = v4.decide_lib.holm_adjusted(high)
+    assert list(adjusted) == pytest.approx([0.004, 0.003, 0.004])
+    decision = v4.decide_lib.Decision(("reject",) * 3, 100, adjusted / 2, adjusted, high / 2,
+                                      high, np.full(3, 100))
+    assert list(v4.holm_levels(decision, 0.05)) == pytest.approx([0.05, 0.05 / 3, 0.05 / 2])
+
+
 def test_every_interval_is_at_one_level_and_a_label_it_does_not_show_carries_its_step():
     """Fresh random boards of many cells near and far from the thresholds: every printed
     interval is at the family's first Holm level (alpha / m a side); a label (or a claim's)
@@ -108,8 +120,8 @@ def test_every_interval_is_at_one_level_and_a_label_it_does_not_show_carries_its
     shown carries its interval at the (looser) Holm level that decided it, inside the
     simultaneous one. Every assertion is exact, none a draw's luck. (That the step interval
     shows its label is held on the committed page, whose draws are fixed: on random boards
-    its first-look percentiles and the ranking by adjusted bounds can sit a hair off the
-    decision's.)"""
+    the settling look's percentiles can sit a draw off the bounds that decided it, which
+    intersect every look's.)"""
     rng = np.random.default_rng()
     gains = {f"m{i}": float(g) for i, g in enumerate(rng.uniform(-4, 4, 10))}
     claims = {m: float(rng.uniform(-1, 3)) for m in gains}

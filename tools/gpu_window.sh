@@ -13,7 +13,7 @@
 #             (tools/group_cost_on_device.sh, 1 epoch, at most GROUP_COST_S = 170 s);
 #          2. `dpbench sweep window` (dpbench/sweep/window.py): board v4's unfinished cells that
 #             this device may train (its kind and JAX as registered, one kind per group), cells
-#             nearest whole first, until WINDOW_S (560) s after the start.
+#             nearest whole first, until WINDOW_S (540) s after the start.
 #          $OUT: records.tar.gz, window.json, group-cost-gpu*.md/.json, logs.tar.gz.
 #   here:  bash tools/gpu_window.sh land FILES_AT [WALL_S]
 #          the group throughput table into leaderboard/gpu/, then `dpbench sweep land`: every
@@ -52,7 +52,7 @@ run)
   status=0
   (cd .device/src && PYTHONUNBUFFERED=1 python3 -m dpbench.sweep window \
      --board="$OLDPWD/leaderboard/v4" --proof="$OLDPWD/.device/proof.json" \
-     --deadline_s=$(( ${WINDOW_S:-560} - setup )) --setup_s="$setup" \
+     --deadline_s=$(( ${WINDOW_S:-540} - setup )) --setup_s="$setup" \
      --runs_dir=/tmp/runs --out="$OUT/window" \
      ${GPU_BINDING:+"--gpu_binding=$GPU_BINDING"}) > "$OUT/window.log" 2>&1 || status=$?
   tail -n 40 "$OUT/window.log"

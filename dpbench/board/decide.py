@@ -28,6 +28,9 @@ class Decision(NamedTuple):
     draws: int             # the draws of the last look
     adjusted_low: np.ndarray
     adjusted_high: np.ndarray
+    low: np.ndarray        # per comparison: the bounds on its raw p (Holm ranks by these)
+    high: np.ndarray
+    settled_draws: np.ndarray  # per comparison: the draws of its last look (its label's)
 
 
 def holm_adjusted(p) -> np.ndarray:
@@ -68,23 +71,25 @@ def decide(hits_at: Callable[[int], np.ndarray], alpha: float, schedule: Sequenc
                          f"{schedule!r}")
     if not 0 < flip_probability < 1 or not 0 < alpha < 1:
         raise ValueError("alpha and flip_probability must lie in (0, 1)")
-    low = high = todo = None
+    low = high = todo = settled = None
     for draws in schedule:
         if todo is None:
             hits = np.asarray(hits_at(int(draws)))
             low, high, todo = np.zeros(len(hits)), np.ones(len(hits)), np.arange(len(hits))
+            settled = np.zeros(len(hits), int)
             if not len(hits):  # no comparison: nothing to decide
-                return Decision((), int(draws), low, high)
+                return Decision((), int(draws), low, high, low, high, settled)
         else:
             hits = np.asarray(hits_for(int(draws), todo) if hits_for is not None
                               else np.asarray(hits_at(int(draws)))[todo])
         tail = flip_probability / (2 * len(low) * len(schedule))
         new_low, new_high = proportion_bounds(hits, int(draws), tail)
         low[todo], high[todo] = np.maximum(low[todo], new_low), np.minimum(high[todo], new_high)
+        settled[todo] = int(draws)
         adjusted_low, adjusted_high = holm_adjusted(low), holm_adjusted(high)
         labels = tuple("reject" if hi < alpha else "retain" if lo >= alpha else "undecided"
                        for lo, hi in zip(adjusted_low, adjusted_high))
         if "undecided" not in labels:
             break
         todo = np.array([i for i, label in enumerate(labels) if label == "undecided"])
-    return Decision(labels, int(draws), adjusted_low, adjusted_high)
+    return Decision(labels, int(draws), adjusted_low, adjusted_high, low, high, settled)

@@ -35,10 +35,7 @@ def freeze_spec(board_dir) -> dict:
                 records_sha256=records_digest(board_dir / "records"))
 
 
-def frozen_spec(board_dir):
-    """The board's ``"frozen"`` entry, or None for a live board."""
-    path = Path(board_dir) / "board.json"
-    return json.loads(path.read_text()).get("frozen") if path.exists() else None
+frozen_spec = records_lib.frozen_spec  # one reader: the sweep asks it too (sweep/preflight)
 
 
 def check_frozen(board_dir) -> list:

@@ -184,28 +184,34 @@ def hypotheses(cells: list, analysis: dict, seed: int,
     return out
 
 
-def decide_family(family: list, analysis: dict):
-    """decide.py over the family. The TOST's p is the larger of two proportions, each bounded
-    on its own: the flip probability is halved so that the union bound covers every interval."""
+def drawn(h: Hypothesis, n: int, cache: dict) -> np.ndarray:
+    """``h``'s n draws, drawn once per (estimand, n) into ``cache`` (an estimand's hypotheses
+    share its draws)."""
+    if (id(h.draws), n) not in cache:
+        cache[(id(h.draws), n)] = h.draws(n)
+    return cache[(id(h.draws), n)]
+
+
+def decide_family(family: list, analysis: dict, cache: Optional[dict] = None):
+    """decide.py over the family (``cache``: the draws, kept for the intervals). The TOST's p
+    is the larger of two proportions, each bounded on its own: the flip probability is halved
+    so that the union bound covers every interval."""
     mc, alpha = analysis["monte_carlo"], float(analysis["family"]["alpha"])
-    cache: dict = {}
+    cache = {} if cache is None else cache
 
     def hits_for(n: int, indices) -> np.ndarray:
-        hits = []
-        for i in indices:
-            h = family[i]
-            if (id(h.draws), n) not in cache:
-                cache[(id(h.draws), n)] = h.draws(n)
-            hits.append(int(h.null_side(cache[(id(h.draws), n)])))
-        return np.array(hits)
+        return np.array([int(family[i].null_side(drawn(family[i], n, cache)))
+                         for i in indices])
 
     return decide_lib.decide(lambda n: hits_for(n, range(len(family))), alpha,
                              mc["schedule"], mc["flip_probability"] / 2, hits_for=hits_for)
 
 
 def holm_levels(decision, alpha: float) -> np.ndarray:
-    """Each hypothesis's Holm level alpha / (m - rank + 1), ranked by its upper bound."""
-    order = np.argsort(decision.adjusted_high, kind="stable")
+    """Each hypothesis's Holm level alpha / (m - rank + 1), ranked as Holm steps down: by its
+    raw p's upper bound (ties in the family's order). A rejection means adjusted_high <
+    alpha, so its raw upper bound, and its p, lie below its level."""
+    order = np.argsort(decision.high, kind="stable")
     levels = np.empty(len(order))
     levels[order] = alpha / (len(order) - np.arange(len(order)))
     return levels
@@ -262,14 +268,15 @@ def analyse(cells: list, analysis: dict, seed: int = 0,
     interval shows: such a row (``shown`` False, its label decided) carries ``step``, its
     interval at the level that decided it. The claim's label likewise, with ``shown`` and its one-sided bound at its
     own step."""
-    family = hypotheses(cells, analysis, seed, estimands)
-    decision = decide_family(family, analysis)
+    family, cache = hypotheses(cells, analysis, seed, estimands), {}
+    decision = decide_family(family, analysis, cache)
     alpha, power = float(analysis["family"]["alpha"]), float(analysis["mde"]["power"])
     margin = float(analysis["margin_points"])
     simultaneous = alpha / max(len(family), 1)
     levels = holm_levels(decision, alpha)
     by_key = {h.key: (h, label, level) for h, label, level
               in zip(family, decision.labels, levels)}
+    looks = {h.key: int(n) for h, n in zip(family, decision.settled_draws)}
     bounds = {h.key: (float(lo), float(hi)) for h, lo, hi
               in zip(family, decision.adjusted_low, decision.adjusted_high)}
     first = int(analysis["monte_carlo"]["schedule"][0])
@@ -287,28 +294,30 @@ def analyse(cells: list, analysis: dict, seed: int = 0,
             deciding = label if label in kinds else min(  # the side the data lean to
                 ("better", "worse"), key=lambda k: bounds[key + (k,)][1])
             h, _, level = by_key[key + (deciding,)]
-            drawn = h.draws(first)
+            draws = drawn(h, first, cache)
             point = cell.tuned_point() if estimand == "tuned" else float(
                 np.mean(paired_differences(cell)))
-            interval = summary(drawn, simultaneous, power)
+            interval = summary(draws, simultaneous, power)
             row[estimand] = dict(point=point, label=label, decided_by=deciding,
                                  p_adjusted=bounds[h.key],
-                                 floor=bool(h.null_side(drawn) == 0), **interval)
+                                 floor=bool(h.null_side(draws) == 0), **interval)
             row[estimand]["shown"] = interval_label(interval["low"], interval["high"],
                                                     margin) == label
             if not row[estimand]["shown"] and label in kinds:  # decided at a later step
-                step = summary(drawn, level, power)
+                # at that step's level, from the look that settled it
+                step = summary(drawn(h, looks[h.key], cache), level, power)
                 row[estimand]["step"] = dict(low=step["low"], high=step["high"], level=level)
             if "claim" in kinds:
                 ch, _, claim_level = by_key[key + ("claim",)]
                 excluded = kinds["claim"] == "reject"
                 row[estimand]["claim"] = dict(
                     low=cell.claim_low, p_adjusted=bounds[ch.key],
-                    floor=bool(ch.null_side(drawn) == 0),
+                    floor=bool(ch.null_side(draws) == 0),
                     label={"reject": "claim excluded", "retain": "consistent"}.get(
                         kinds["claim"], f"undecided at {decision.draws:,} draws"),
                     shown=(interval["high"] < cell.claim_low) == excluded,
-                    step_high=summary(drawn, claim_level, power)["high"],
+                    step_high=summary(drawn(ch, looks[ch.key], cache), claim_level,
+                                      power)["high"],
                     step_level=claim_level)
         row["unpaired"] = "paired" not in row
         out["cells"][(cell.group, cell.method)] = row
@@ -318,5 +327,5 @@ def analyse(cells: list, analysis: dict, seed: int = 0,
             point=slope_point(rungs), rungs=[(c.mine.parameters, c.tuned_point()) for c in rungs],
             label={"reject": "grows", "retain": "no growth shown"}.get(
                 label, f"undecided at {decision.draws:,} draws"),
-            **summary(h.draws(first), simultaneous, power))
+            **summary(drawn(h, first, cache), simultaneous, power))
     return out

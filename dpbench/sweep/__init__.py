@@ -44,7 +44,8 @@ from dpbench.sweep.jobs import (LAUNCH_LOG, is_published, jobs_of, pack_jobs, pu
 from dpbench.sweep import planning as sweep_plan
 from dpbench.sweep import secret as sweep_secret
 from dpbench.search.protocol import ProtocolError, load_protocol
-from dpbench.sweep.preflight import foreign_protocol_reason, retry_advice, unreachable_reason
+from dpbench.sweep.preflight import (foreign_protocol_reason, frozen_board_reason, retry_advice,
+                                     unreachable_reason)
 from dpbench.sweep.planning import prepare
 from dpbench.sweep.jobs import REPO
 
@@ -235,9 +236,16 @@ def _require_registered(protocol: dict, args) -> None:
         raise ProtocolError(f"this protocol's board is {board} (its analysis): pass "
                             f"--records={board / 'records'}")
     try:
-        registration.registration(board)
+        analysis = registration.registration(board)["analysis"]
     except registration.RegistrationError as e:
         raise ProtocolError(str(e)) from e
+    device = analysis.get("design", {}).get("device")
+    if device and not args.prepare_only:
+        raise ProtocolError(
+            f"{board}'s registered analysis puts every run of a group on one device kind "
+            f"({device['kinds']}) under JAX {device['jax']}, landing whole cells: its runs come "
+            "only from lent-GPU windows (tools/gpu_window.sh: `dpbench sweep window` there, "
+            "`dpbench sweep land` here); here, `dpbench sweep prepare` writes its plans")
 
 
 def run_window_mode(args: argparse.Namespace) -> int:
@@ -288,6 +296,7 @@ def run_sweep(args: argparse.Namespace) -> int:
         print("dpbench: error: --local needs --deadline_s (seconds it may run)", file=sys.stderr)
         return 2
     reason = (foreign_protocol_reason(args.protocol, args.records, args.official_board)
+              or frozen_board_reason(args.records)
               or (args.secret_trial_count and sweep_secret.into_board_reason(args.records))
               or (args.address and unreachable_reason(args.address)))
     if reason:

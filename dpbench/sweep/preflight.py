@@ -1,11 +1,13 @@
 """What ``dpbench sweep`` refuses before anything starts (an unreachable Ray address, a user's
-protocol publishing into the committed board), and whether rerunning can help a failed trial."""
+protocol publishing into the committed board, a frozen board), and whether rerunning can help a
+failed trial."""
 
 from __future__ import annotations
 
 import socket
 from pathlib import Path
 
+from dpbench import records as records_lib
 from dpbench.search.methods import REPO_ROOT as REPO
 
 
@@ -48,3 +50,14 @@ def foreign_protocol_reason(protocol: Path, records: Path, official_board: bool)
     return (f"--protocol={protocol} is not the board's own, but --records is the committed "
             f"board's ({board / 'records'}); pass --records=DIR for your own board (or "
             "--official_board to publish into the committed one)")
+
+
+def frozen_board_reason(records: Path):
+    """None unless ``records`` belong to a frozen board (an archive: its board.json holds the
+    hashes of its records, which one more run would break)."""
+    board = Path(records).resolve().parent
+    if records_lib.frozen_spec(board) is None:
+        return None
+    return (f"{board} is frozen (an archive: its board.json holds the hashes of its records); "
+            "nothing trains into it. Board v4's runs come from lent-GPU windows "
+            "(tools/gpu_window.sh); your own board: --protocol=FILE --records=DIR")

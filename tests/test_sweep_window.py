@@ -4,6 +4,7 @@ pending, whole cells only moving on to the records, one device kind per group; a
 only what this device may train, from the board's records and pending runs, and refusing an
 analysis that is not the proved one."""
 
+import functools
 import json
 import os
 import shutil
@@ -15,6 +16,7 @@ import pytest
 
 from dpbench.board.build import incomplete_text
 from dpbench import sweep
+from dpbench.search import tuning
 from dpbench.sweep import preflight, window
 from dpbench.sweep.planning import prepare
 from tests.conftest import REPO_ROOT
@@ -49,10 +51,28 @@ def board(tmp_path):
     return board
 
 
+@functools.lru_cache(maxsize=None)
+def _plan(group):
+    return json.loads((V4 / "records" / group / "search.json").read_text())
+
+
+def _event(group, method, trial):
+    """The DpEvent search.json planned for the trial (trial 0's recipe: its own, else any)."""
+    plan = _plan(group)
+    try:
+        return tuning.planned_event(plan, method, trial)
+    except (KeyError, IndexError):  # a recipe outside the space's support: the board checks no event of it
+        return plan["methods"][method]["support"][0]["event"]
+
+
 def _run(folder, name, accuracy, kind=H100, jax_version="0.11.2"):
+    """A published run as a window brings it: its record with the seed and DpEvent its group's
+    search.json plans, and its device."""
+    method, trial, seed = tuning.parse_run_dir(name)
     path = folder / name / "run_record.json"
     path.parent.mkdir(parents=True)
-    path.write_text(json.dumps(dict(validation_accuracy=accuracy, device_kind=kind,
+    path.write_text(json.dumps(dict(validation_accuracy=accuracy, device_kind=kind, seed=seed,
+                                    dp_event=_event(folder.name, method, trial),
                                     versions={"jax": jax_version})))
 
 
@@ -149,6 +169,41 @@ def test_a_cell_from_another_device_kind_than_its_groups_waits_and_a_wrong_winne
     assert done["landed"] == []
     assert {(g, m) for g, m, _, _ in window.pending_cells(board)} == {(TANH3, "rs"),
                                                                        (TANH3, "gep")}
+
+
+def test_a_run_that_is_not_the_one_its_search_plans_is_refused_at_once(board, tmp_path):
+    """A record whose DpEvent is not the one search.json planned for its trial (a privacy knob
+    the protocol does not declare), whose seed is not its name's, or a trial the plan does not
+    have: refused at the window that brought it, not found by the board after the last."""
+    files = _window_files(tmp_path, [(TANH3, "dpsgd-t1-seed0", 0.8, H100),
+                                     (TANH3, "dpsgd-t2-seed0", 0.8, H100),
+                                     (TANH3, "dpsgd-t3-seed0", 0.8, H100),
+                                     (TANH3, "dpsgd-t40-seed0", 0.8, H100)])
+    staged = tmp_path / "files-staged" / TANH3
+    record = json.loads((staged / "dpsgd-t1-seed0" / "run_record.json").read_text())
+    assert _shifted(record["dp_event"]) != record["dp_event"]
+    for name, change in (("dpsgd-t1-seed0", dict(dp_event=_shifted(record["dp_event"]))),
+                         ("dpsgd-t2-seed0", dict(seed=7))):
+        path = staged / name / "run_record.json"
+        path.write_text(json.dumps({**json.loads(path.read_text()), **change}))
+    with tarfile.open(files / window.RECORDS_TARBALL, "w:gz") as tar:
+        for run in sorted(staged.iterdir()):
+            tar.add(run, arcname=f"{TANH3}/{run.name}")
+    done = window.land(board, files)
+    refused = dict(r.split(": ", 1) for r in done["refused"])
+    assert "its DpEvent is not the one search.json computed" in refused[f"{TANH3}/dpsgd-t1-seed0"]
+    assert "seed 7 is not" in refused[f"{TANH3}/dpsgd-t2-seed0"]
+    assert "not a run of this group's search.json" in refused[f"{TANH3}/dpsgd-t40-seed0"]
+    assert done["pending"] == [f"{TANH3}/dpsgd-t3-seed0"]
+
+
+def _shifted(event):
+    """The event with every noise multiplier raised by a half: another mechanism."""
+    if isinstance(event, dict):
+        return {k: (v + 0.5 if k == "noise_multiplier" else _shifted(v)) for k, v in event.items()}
+    if isinstance(event, list):
+        return [_shifted(e) for e in event]
+    return event
 
 
 def test_landing_refuses_a_board_whose_analysis_changed_and_a_folder_without_a_window(

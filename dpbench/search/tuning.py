@@ -38,16 +38,17 @@ import math
 import re
 from collections import Counter
 from pathlib import Path
+from typing import Optional
 
 import numpy as np
-import scipy.stats
 from dp_accounting import dp_event
 from dp_accounting.rdp import rdp_privacy_accountant
 
 from dpbench import accounting, records
 from dpbench.search import answers
-from dpbench.search.protocol import ProtocolError
 from dpbench.search.space import privacy_key, stable_seed
+from dpbench.search.protocol import ProtocolError
+from dpbench.search.trial_count import sample_trial_count, shape_of
 
 SEARCH_FILE = "search.json"  # a group's plan, beside its published runs
 DIVERGED = records.DIVERGED_NAME  # what a run that diverged publishes instead of its record
@@ -73,9 +74,16 @@ def events_match(planned, recorded, rtol: float = EVENT_RTOL) -> bool:
     return type(planned) is type(recorded) and planned == recorded
 
 
-def shape_of(trials: dict) -> float:
-    shape = trials["shape"]
-    return math.inf if shape in ("inf", math.inf) else float(shape)
+# The one place that writes (group_name, run_dir_name) and parses (GROUP_PATTERN,
+# parse_run_dir) a group's folder name and a published run's.
+GROUP_PATTERN = re.compile(r"^(?P<dataset>[\w\-]+)__(?P<model>[\w\-]+)__eps(?P<eps>[0-9.e+\-]+)"
+                           r"__delta(?P<delta>[0-9.e+\-]+)$")
+RUN_DIR_PATTERN = re.compile(r"^(?P<method>.+)-t(?P<trial>[0-9]+)-seed(?P<seed>[0-9]+|secret)$")
+
+
+def group_name(family: str, epsilon: float, delta: float) -> str:
+    """A group's folder: ``<dataset>__<model>__eps<E>__delta<D>`` (family = dataset__model)."""
+    return f"{family}__eps{float(epsilon)}__delta{delta:g}"
 
 
 def secret_law(trials: dict) -> dict:
@@ -90,18 +98,6 @@ def secret_law(trials: dict) -> dict:
     return {k: trials["deployment"][k] for k in ("shape", "mean_random")}
 
 
-# The one place that writes (group_name, run_dir_name) and parses (GROUP_PATTERN,
-# parse_run_dir) a group's folder name and a published run's.
-GROUP_PATTERN = re.compile(r"^(?P<dataset>[\w\-]+)__(?P<model>[\w\-]+)__eps(?P<eps>[0-9.e+\-]+)"
-                           r"__delta(?P<delta>[0-9.e+\-]+)$")
-RUN_DIR_PATTERN = re.compile(r"^(?P<method>.+)-t(?P<trial>[0-9]+)-seed(?P<seed>[0-9]+|secret)$")
-
-
-def group_name(family: str, epsilon: float, delta: float) -> str:
-    """A group's folder: ``<dataset>__<model>__eps<E>__delta<D>`` (family = dataset__model)."""
-    return f"{family}__eps{float(epsilon)}__delta{delta:g}"
-
-
 def draw_random_trials(trials: dict, group: str) -> int:
     """J, the number of random trials of every method of ``group``: one draw, from a seed
     derived from the protocol's seed and the group's name, of the law dp_accounting's
@@ -110,23 +106,6 @@ def draw_random_trials(trials: dict, group: str) -> int:
         return int(trials["fixed"]) - 1
     rng = np.random.default_rng(stable_seed(trials["seed"], group, "trials"))
     return sample_trial_count(rng, float(trials["mean_random"]), shape_of(trials))
-
-
-def sample_trial_count(rng: np.random.Generator, mean: float, shape: float) -> int:
-    """One draw of Papernot & Steinke's trial count: Poisson(mean) for shape = inf; else the
-    truncated negative binomial P[J = j] ~ C(j + shape - 1, j) (1 - gamma)^j on j >= 1, with
-    gamma from the mean by dp_accounting's own inversion (shape 0: logarithmic, 1: geometric)."""
-    if shape == math.inf:
-        return int(rng.poisson(mean))
-    if mean == 1:  # the law is the point mass at 1 (gamma = 1)
-        return 1
-    gamma = rdp_privacy_accountant._gamma_truncated_negative_binomial(shape, mean)
-    if shape == 0:  # logarithmic: P[J = j] proportional to (1 - gamma)^j / j
-        return int(scipy.stats.logser(1 - gamma).rvs(random_state=rng))
-    while True:  # scipy's nbinom(n, p) is C(j + n - 1, j) p^n (1 - p)^j; condition on j >= 1
-        j = int(scipy.stats.nbinom(shape, gamma).rvs(random_state=rng))
-        if j >= 1:
-            return j
 
 
 # ------------------------------------------------------------------ the search's epsilon (RDP)
@@ -312,6 +291,24 @@ def planned_event(plan: dict, method: str, trial: int) -> dict:
     return planned_events(plan, method)[key]
 
 
+def record_problem(plan: dict, method: str, trial: int, seed: int, record: dict,
+                   support: Optional[dict] = None) -> Optional[str]:
+    """Why a published run's record is not the run ``plan`` asks for (None when it is): no
+    DpEvent, a seed other than its own, or (a random trial, on any seed) a DpEvent other than
+    the one search.json computed for its privacy settings (``support``: planned_events)."""
+    if record.get("dp_event") is None or record.get("seed") != seed:
+        return f"no dp_event, or seed {record.get('seed')} is not the search's seed {seed}"
+    if trial > 0:
+        key = privacy_key(plan["methods"][method]["trials"][trial], _protocol_of(plan),
+                          plan["family"], method)
+        support = planned_events(plan, method) if support is None else support
+        if not events_match(support.get(key), record["dp_event"]):
+            return (f"its DpEvent is not the one search.json computed for its privacy "
+                    f"settings {key}: a knob that changes the event is missing \"privacy\": "
+                    "true in the protocol's space")
+    return None
+
+
 def search_summary(group_dir) -> dict:
     """Per method of a finished search (``<group_dir>/search.json`` and its published trials):
     K, the winner, every trial's validation accuracy, and the search's epsilon recomputed from
@@ -325,7 +322,7 @@ def search_summary(group_dir) -> dict:
         raise SearchRecordError(f"{path}: unreadable search plan ({e})") from e
     law, seed0 = plan["trials_law"], plan["seeds"][0]
     out = {}
-    for method, m in sorted(plan["methods"].items()):
+    for method in sorted(plan["methods"]):
         support = planned_events(plan, method)
         validation, events = {}, {}
         for trial in range(plan["num_trials"]):
@@ -333,16 +330,10 @@ def search_summary(group_dir) -> dict:
             validation[trial] = None if record is None else record["validation_accuracy"]
             if record is None:
                 continue
-            if record.get("dp_event") is None or record.get("seed") != seed0:
-                raise SearchRecordError(f"{where}: no dp_event, or seed {record.get('seed')} "
-                                        f"is not the search's seed {seed0}")
+            problem = record_problem(plan, method, trial, seed0, record, support)
+            if problem:
+                raise SearchRecordError(f"{where}: {problem}")
             events[trial] = record["dp_event"]
-            key = privacy_key(m["trials"][trial], _protocol_of(plan), plan["family"], method)
-            if trial > 0 and not events_match(support.get(key), record["dp_event"]):
-                raise SearchRecordError(
-                    f"{where}: its DpEvent is not the one search.json computed for its privacy "
-                    f"settings {key}: a knob that changes the event is missing \"privacy\": true "
-                    "in the protocol's space")
         if 0 not in events:
             raise SearchRecordError(f"{group_dir}: {method}'s trial 0 diverged; its event is "
                                     "unknown")

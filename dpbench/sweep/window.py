@@ -158,11 +158,13 @@ def land(board: Path, files: Path, device_s: Optional[float] = None) -> dict:
                 out["refused"] += [f"{group_dir.name}: not a group of this board (no "
                                    f"{tuning.SEARCH_FILE} under {records})"]
                 continue
+            plan = json.loads((records / group_dir.name / tuning.SEARCH_FILE).read_text())
             for run in run_dirs(group_dir):
                 name = f"{group_dir.name}/{run.name}"
                 if (records / name).exists() or (pending / name).exists():
                     out["skipped"].append(name)  # a window re-sent it: the first copy stays
-                elif (device := run_device(run)) and (why := refusal(device, rule)):
+                elif why := (_not_planned(plan, run) or ((device := run_device(run))
+                                                         and refusal(device, rule))):
                     out["refused"].append(f"{name}: {why}")
                 else:
                     (pending / group_dir.name).mkdir(parents=True, exist_ok=True)
@@ -191,6 +193,20 @@ def land(board: Path, files: Path, device_s: Optional[float] = None) -> dict:
     records_lib.atomic_write_text(log, json.dumps(entries + [entry], indent=1) + "\n")
     out["entry"] = entry
     return out
+
+
+def _not_planned(plan: dict, run: Path) -> Optional[str]:
+    """Why a returned run is not one its group's search.json plans (None when it is): a method
+    or trial it does not have, or a record whose seed or DpEvent is not the plan's (the check
+    the board makes, made at once: a drift shows at the first window, not after the last)."""
+    method, trial, seed = tuning.parse_run_dir(run.name)
+    if method not in plan["methods"] or not 0 <= trial < plan["num_trials"] \
+            or seed not in plan["seeds"]:
+        return f"not a run of this group's search.json ({plan['num_trials']} trials a method)"
+    path = run / records_lib.RECORD_NAME
+    if not path.exists():
+        return None  # diverged: it carries no record to check
+    return tuning.record_problem(plan, method, trial, seed, json.loads(path.read_text()))
 
 
 def _land_whole_cells(group_records: Path, group_pending: Path) -> list:

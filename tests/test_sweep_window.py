@@ -128,6 +128,9 @@ def test_a_windows_runs_wait_in_pending_until_their_cell_is_whole(board, tmp_pat
     assert len(list(pending.glob("rs-*"))) == 20 and not list(records.glob("rs-*"))
     assert len(done["refused"]) == 1 and "'cpu' is not one" in done["refused"][0]
     assert not (pending / "gep-t0-seed0").exists() and not (records / "gep-t0-seed0").exists()
+    kept = board / window.REFUSED / TANH3 / "gep-t0-seed0"  # nothing lost: kept with its reason
+    assert "'cpu' is not one" in (kept / "refused.txt").read_text()
+    assert (kept / "run_record.json").exists()
     assert window.pending_cells(board) == [(TANH3, "rs", 20, k + 3)]
     entry = json.loads((board / window.WINDOWS).read_text())[-1]
     assert entry["runs"] == k + 3 + 20 and entry["device_s"] == 420.0

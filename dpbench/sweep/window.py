@@ -16,8 +16,9 @@ all. So:
 - here (:func:`land`): every returned run goes to ``<board>/pending/<group>/`` (the board never
   reads it; the next window's tree carries it); a cell whose runs are all there, on one lent
   device kind and the registered JAX, the group's, moves whole into ``<board>/records/``. A run
-  from another device never joins (it is named and left in the tarball). Every window's cost is
-  appended to ``<board>/windows.json``.
+  from another device, or one its search.json does not plan, never joins: it is kept in
+  ``<board>/refused/`` with its reason. Every window's cost is appended to
+  ``<board>/windows.json``.
 
 The registration is proved by git history, which the device's copy of the tree lacks:
 ``registration_proof`` (here) writes what ``registration.registration`` found and the analysis's
@@ -48,6 +49,7 @@ from dpbench.search.protocol import load_protocol
 from dpbench.sweep import jobs as sweep_jobs
 
 PENDING = "pending"  # beside the board's records: a cell's runs until the cell is whole
+REFUSED = "refused"  # beside them: runs that may never join the board, each with its reason
 WINDOWS = records_lib.WINDOWS_NAME  # the board's cost line: one entry per landed window
 WINDOW = "window.json"  # what a window says of itself (device, JAX, commit, seconds)
 RECORDS_TARBALL = "records.tar.gz"
@@ -166,6 +168,11 @@ def land(board: Path, files: Path, device_s: Optional[float] = None) -> dict:
                 elif why := (_not_planned(plan, run) or ((device := run_device(run))
                                                          and refusal(device, rule))):
                     out["refused"].append(f"{name}: {why}")
+                    kept = board / REFUSED / name  # never read, never carried: kept, and why
+                    if not kept.exists():
+                        kept.parent.mkdir(parents=True, exist_ok=True)
+                        shutil.move(str(run), kept)
+                        (kept / "refused.txt").write_text(why + "\n")
                 else:
                     (pending / group_dir.name).mkdir(parents=True, exist_ok=True)
                     shutil.move(str(run), pending / name)

@@ -43,6 +43,7 @@ from dpbench.sweep.jobs import (LAUNCH_LOG, is_published, jobs_of, pack_jobs, pu
                                 result, run_pack, seed_jobs, winners_of)
 from dpbench.sweep import planning as sweep_plan
 from dpbench.sweep import secret as sweep_secret
+from dpbench.sweep import window
 from dpbench.search.protocol import ProtocolError, load_protocol
 from dpbench.sweep.preflight import (foreign_protocol_reason, frozen_board_reason, retry_advice,
                                      unreachable_reason)
@@ -191,28 +192,28 @@ def _parser():
 
 
 def _add_window_flags(parser) -> None:
-    window = parser.add_argument_group(
+    flags = parser.add_argument_group(
         "window (a registered board on a lent device: sweep/window.py)")
-    window.add_argument("--window", action="store_true",
+    flags.add_argument("--window", action="store_true",
                         help="train the unfinished cells of --board that this device may "
                              "train (its kind and JAX as registered, one kind per group) "
                              "until --deadline_s; --out gets records.tar.gz and window.json")
-    window.add_argument("--land", action="store_true",
+    flags.add_argument("--land", action="store_true",
                         help="land a window's files (--files: its records.tar.gz and "
                              "window.json) on --board: every run to <board>/pending, each "
                              "whole cell on to <board>/records, the cost to windows.json")
-    window.add_argument("--board", type=Path, default=REPO / "leaderboard" / "v4",
+    flags.add_argument("--board", type=Path, default=REPO / "leaderboard" / "v4",
                         help="--window/--land/--write_proof: the registered board's folder")
-    window.add_argument("--proof", type=Path, default=None,
+    flags.add_argument("--proof", type=Path, default=None,
                         help="--window: the registration proof --write_proof wrote here")
-    window.add_argument("--write_proof", type=Path, default=None,
+    flags.add_argument("--write_proof", type=Path, default=None,
                         help="check --board's registration with git and write its proof "
                              "(commit, date, analysis SHA-256) to this file, for --window")
-    window.add_argument("--files", type=Path, default=None,
+    flags.add_argument("--files", type=Path, default=None,
                         help="--land: the folder a window's files came back in")
-    window.add_argument("--setup_s", type=float, default=0.0,
+    flags.add_argument("--setup_s", type=float, default=0.0,
                         help="--window: the device seconds spent before it (install, ...)")
-    window.add_argument("--device_s", type=float, default=None,
+    flags.add_argument("--device_s", type=float, default=None,
                         help="--land: the window's device seconds, when known better than "
                              "its window.json's (the device tool's wall_s)")
 
@@ -250,7 +251,6 @@ def _require_registered(protocol: dict, args) -> None:
 
 def run_window_mode(args: argparse.Namespace) -> int:
     """--write_proof (here), --window (there) or --land (here); the exit code."""
-    from dpbench.sweep import window
     try:
         if args.write_proof:
             args.write_proof.write_text(json.dumps(window.registration_proof(args.board)) + "\n")

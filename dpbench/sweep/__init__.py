@@ -195,27 +195,27 @@ def _add_window_flags(parser) -> None:
     flags = parser.add_argument_group(
         "window (a registered board on a lent device: sweep/window.py)")
     flags.add_argument("--window", action="store_true",
-                        help="train the unfinished cells of --board that this device may "
-                             "train (its kind and JAX as registered, one kind per group) "
-                             "until --deadline_s; --out gets records.tar.gz and window.json")
+                       help="train the unfinished cells of --board that this device may "
+                            "train (its kind and JAX as registered, one kind per group) "
+                            "until --deadline_s; --out gets records.tar.gz and window.json")
     flags.add_argument("--land", action="store_true",
-                        help="land a window's files (--files: its records.tar.gz and "
-                             "window.json) on --board: every run to <board>/pending, each "
-                             "whole cell on to <board>/records, the cost to windows.json")
+                       help="land a window's files (--files: its records.tar.gz and "
+                            "window.json) on --board: every run to <board>/pending, each "
+                            "whole cell on to <board>/records, the cost to windows.json")
     flags.add_argument("--board", type=Path, default=REPO / "leaderboard" / "v4",
-                        help="--window/--land/--write_proof: the registered board's folder")
+                       help="--window/--land/--write_proof: the registered board's folder")
     flags.add_argument("--proof", type=Path, default=None,
-                        help="--window: the registration proof --write_proof wrote here")
+                       help="--window: the registration proof --write_proof wrote here")
     flags.add_argument("--write_proof", type=Path, default=None,
-                        help="check --board's registration with git and write its proof "
-                             "(commit, date, analysis SHA-256) to this file, for --window")
+                       help="check --board's registration with git and write its proof "
+                            "(commit, date, analysis SHA-256) to this file, for --window")
     flags.add_argument("--files", type=Path, default=None,
-                        help="--land: the folder a window's files came back in")
+                       help="--land: the folder a window's files came back in")
     flags.add_argument("--setup_s", type=float, default=0.0,
-                        help="--window: the device seconds spent before it (install, ...)")
+                       help="--window: the device seconds spent before it (install, ...)")
     flags.add_argument("--device_s", type=float, default=None,
-                        help="--land: the window's device seconds, when known better than "
-                             "its window.json's (the device tool's wall_s)")
+                       help="--land: the window's device seconds, when known better than "
+                            "its window.json's (the device tool's wall_s)")
 
 
 def main(argv=None) -> int:

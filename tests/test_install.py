@@ -57,3 +57,16 @@ def test_the_gpu_check_passes_a_jax_that_sees_a_gpu_and_names_the_backends_reaso
     reason = check_jax_gpu.refusal(cpu, "13", "Unable to initialize backend 'cuda': no driver\n"
                                              "more")
     assert "DPBENCH_CUDA=13" in reason and "no driver" in reason and "more" not in reason
+
+
+@pytest.mark.parametrize("script", sorted(p.name for p in (REPO_ROOT / "tools").glob("*.sh")))
+def test_every_tool_script_parses(script):
+    """The device scripts run only where a GPU is lent: a syntax error would cost a window.
+    Every tools/*.sh parses (bash -n)."""
+    done = run_guarded(["bash", "-n", str(REPO_ROOT / "tools" / script)])
+    assert done.returncode == 0, done.stderr
+
+
+def test_the_gpu_window_script_says_how_to_call_it():
+    done = run_guarded(["bash", str(REPO_ROOT / "tools" / "gpu_window.sh")])
+    assert done.returncode == 2 and "usage:" in done.stderr and "land FILES_AT" in done.stderr

@@ -261,13 +261,14 @@ def analyse(cells: list, analysis: dict, seed: int = 0,
     """The board's labels: {"cells": {(group, method): {estimand: {...}}}, "slopes": {method:
     {...}}, "draws", "comparisons", "level"}. Each estimand's point, label and the Holm bounds
     on the adjusted p of the hypothesis that decided it (when none did, of 'better' or 'worse',
-    whichever the data lean to; ``floor``: none of the first look's draws fell on its null's
-    side, so the bound is the least those draws can show), and one interval for every row at
-    the family's first Holm level (alpha / m a side: simultaneous), with the MDE at that level.
-    Holm steps down, so a label can be decided at a looser level than the simultaneous
-    interval shows: such a row (``shown`` False, its label decided) carries ``step``, its
-    interval at the level that decided it. The claim's label likewise, with ``shown`` and its one-sided bound at its
-    own step."""
+    whichever the data lean to), and one interval for every row at the family's first Holm
+    level (alpha / m a side: simultaneous), with the MDE at that level, all read off the draws
+    of the look that settled that hypothesis (``floor``: none of them fell on its null's side,
+    so the bound is the least those draws can show). Holm steps down, so a label can be
+    decided at a looser level than the simultaneous interval shows: such a row (``shown``
+    False, its label decided) carries ``step``, its interval from the same draws at the level
+    that decided it (so inside the simultaneous one). The claim's label likewise, with
+    ``shown`` and its one-sided bound at its own step."""
     family, cache = hypotheses(cells, analysis, seed, estimands), {}
     decision = decide_family(family, analysis, cache)
     alpha, power = float(analysis["family"]["alpha"]), float(analysis["mde"]["power"])
@@ -294,7 +295,7 @@ def analyse(cells: list, analysis: dict, seed: int = 0,
             deciding = label if label in kinds else min(  # the side the data lean to
                 ("better", "worse"), key=lambda k: bounds[key + (k,)][1])
             h, _, level = by_key[key + (deciding,)]
-            draws = drawn(h, first, cache)
+            draws = drawn(h, looks[h.key], cache)  # the look that settled it (most: the first)
             point = cell.tuned_point() if estimand == "tuned" else float(
                 np.mean(paired_differences(cell)))
             interval = summary(draws, simultaneous, power)
@@ -304,8 +305,7 @@ def analyse(cells: list, analysis: dict, seed: int = 0,
             row[estimand]["shown"] = interval_label(interval["low"], interval["high"],
                                                     margin) == label
             if not row[estimand]["shown"] and label in kinds:  # decided at a later step
-                # at that step's level, from the look that settled it
-                step = summary(drawn(h, looks[h.key], cache), level, power)
+                step = summary(draws, level, power)  # the same draws at that step's level
                 row[estimand]["step"] = dict(low=step["low"], high=step["high"], level=level)
             if "claim" in kinds:
                 ch, _, claim_level = by_key[key + ("claim",)]

@@ -216,16 +216,17 @@ def _not_planned(plan: dict, run: Path) -> Optional[str]:
     return tuning.record_problem(plan, method, trial, seed, json.loads(path.read_text()))
 
 
+def _finder(*folders: Path) -> Callable[[str], Optional[Path]]:
+    """name -> the first of ``folders``' published run of that name, or None (cell_runs' find:
+    a group's records, then its pending runs)."""
+    return lambda name: next((d / name for d in folders if tuning.published(d / name)), None)
+
+
 def _land_whole_cells(group_records: Path, group_pending: Path) -> list:
     """Moves each cell of the group that is whole over records and pending, and on one device,
     from pending into records; the cells landed ('group method')."""
     plan = json.loads((group_records / tuning.SEARCH_FILE).read_text())
-
-    def find(name):
-        return next((d / name for d in (group_records, group_pending)
-                     if tuning.published(d / name)), None)
-
-    landed = []
+    find, landed = _finder(group_records, group_pending), []
     for method in plan["methods"]:
         names, whole = cell_runs(plan, method, find)
         mine = [n for n in names if (group_pending / n).exists()]
@@ -247,10 +248,8 @@ def pending_cells(board: Path) -> list:
     for group_dir in sorted((board / PENDING).iterdir()) if (board / PENDING).is_dir() else []:
         group_records = board / "records" / group_dir.name
         plan = json.loads((group_records / tuning.SEARCH_FILE).read_text())
+        find = _finder(group_records, group_dir)
         for method in plan["methods"]:
-            def find(name):
-                return next((d / name for d in (group_records, group_dir)
-                             if tuning.published(d / name)), None)
             names, _ = cell_runs(plan, method, find)
             if any((group_dir / n).exists() for n in names):
                 out.append((group_dir.name, method, sum(find(n) is not None for n in names),
